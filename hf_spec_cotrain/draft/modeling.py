@@ -1,0 +1,434 @@
+"""The EAGLE-3 draft head (DESIGN.md section 3), laid out so vLLM's ``llama_eagle3`` loads it unchanged.
+
+The draft never owns the token embedding: it reads the target's (bound with [`Eagle3DraftModel.bind_target`])
+without gradient, so the policy's embedding keeps training and the checkpoint stays small. Attention is a
+callable supplied by the caller, which lets the same layers run the training-time-test branch attention
+(`hf_spec_cotrain.ttt`) and a KV-cached causal attention for generation (`forward`).
+"""
+
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from transformers.utils import ModelOutput, logging
+
+from ..taps import validate_aux_layer_ids
+from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
+from .vocab import select_draft_vocab, vocab_maps
+
+
+logger = logging.get_logger(__name__)
+
+# attend(layer_index, q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) -> [B, Hq, L, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Eagle3DraftOutput(ModelOutput):
+    """``logits`` over the draft vocabulary; ``hidden_states`` is the pre-norm output, the next step's input."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention projections; the attention itself is the caller's ``attend``."""
+
+    def __init__(self, config: Eagle3DraftConfig, in_features: int):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        batch, _, length, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """Layer 0 (``midlayer``) reads ``[input_layernorm(embed); hidden_norm(h)]`` (2H); later layers are plain Llama."""
+
+    def __init__(self, config: Eagle3DraftConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.is_first = layer_index == 0
+        self.norm_before_residual = config.norm_before_residual
+        hidden = config.hidden_size
+        self.self_attn = Eagle3Attention(config, in_features=2 * hidden if self.is_first else hidden)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        if self.is_first:
+            self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_embeds: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attend: AttendFn,
+    ) -> torch.Tensor:
+        if self.is_first:
+            normed = self.hidden_norm(hidden_states)
+            residual = normed if self.norm_before_residual else hidden_states
+            x = torch.cat([self.input_layernorm(input_embeds), normed], dim=-1)
+        else:
+            residual = hidden_states
+            x = self.input_layernorm(hidden_states)
+        q, k, v = self.self_attn.project(x, *position_embeddings)
+        residual = residual + self.self_attn.output(attend(self.layer_index, q, k, v))
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3DraftModel(PreTrainedModel):
+    r"""
+    EAGLE-3 draft head: ``g = fc(concat(taps))``, then ``num_hidden_layers`` decoder layers over
+    ``(embed(token), g)``, then ``lm_head(norm(h))`` over the draft vocabulary.
+
+    The four-call interface (`embed_input_ids`, `project_hidden_states`, `backbone`, `compute_logits`) is all
+    the training-time-test loop and the generators use. Parameters are named as vLLM's ``llama_eagle3`` loader
+    expects (``fc``, ``midlayer.*``, ``layers.{i}.*`` for extra layers, ``norm``, ``lm_head``, ``d2t``, ``t2d``).
+    """
+
+    config_class = Eagle3DraftConfig
+    config: Eagle3DraftConfig
+    base_model_prefix = "draft"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["Eagle3DecoderLayer"]
+    _supports_sdpa = True
+    # Checkpoints from other tools may carry the target's embedding; the draft reads the bound target's instead.
+    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$"]
+
+    def __init__(self, config: Eagle3DraftConfig):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.target_hidden_size * config.num_aux_hidden_states, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config, 0)
+        self.layers = nn.ModuleDict(
+            {str(i): Eagle3DecoderLayer(config, i) for i in range(1, config.num_hidden_layers)}
+        )
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        # vLLM 0.31 refuses a `d2t` when the two vocabularies are equal: keep it out of the checkpoint then.
+        reduced = config.draft_vocab_size < config.vocab_size
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64), persistent=reduced)
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.__dict__["_target_embedding"] = None  # a reference, not a submodule: never saved, never trained
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            init.zeros_(self.d2t)
+            init.ones_(self.t2d)
+
+    # ------------------------------------------------------------------ building and binding
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        *,
+        num_layers: int = 1,
+        aux_layer_ids: Sequence[int] | None = None,
+        draft_vocab_size: int | None = None,
+        token_counts: torch.Tensor | None = None,
+    ) -> "Eagle3DraftModel":
+        """A fresh draft sized for ``target`` (Llama, Qwen2, Qwen3 families), bound to its embedding.
+
+        The draft vocabulary is the ``draft_vocab_size`` most frequent ids of ``token_counts`` (ties: lower id;
+        every id when ``draft_vocab_size`` is None) and ``lm_head`` starts from the target's rows at those ids.
+        """
+        tcfg = target.config.get_text_config()
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"`num_layers`={num_layers!r} is not allowed: a draft has at least 1 decoder layer.")
+        aux_ids = validate_aux_layer_ids(aux_layer_ids, tcfg.num_hidden_layers)
+        draft_ids = select_draft_vocab(tcfg.vocab_size, draft_vocab_size, token_counts)
+        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        config = Eagle3DraftConfig(
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+            head_dim=head_dim,
+            hidden_act=tcfg.hidden_act,
+            rms_norm_eps=tcfg.rms_norm_eps,
+            rope_parameters=dict(tcfg.rope_parameters) if getattr(tcfg, "rope_parameters", None) else None,
+            max_position_embeddings=tcfg.max_position_embeddings,
+            vocab_size=tcfg.vocab_size,
+            draft_vocab_size=draft_ids.numel(),
+            target_hidden_size=tcfg.hidden_size,
+            target_num_hidden_layers=tcfg.num_hidden_layers,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True},
+            bos_token_id=tcfg.bos_token_id,
+            eos_token_id=tcfg.eos_token_id,
+            pad_token_id=tcfg.pad_token_id,
+            tie_word_embeddings=False,
+        )
+        target_head = target.get_output_embeddings().weight
+        draft = cls(config).to(dtype=target_head.dtype, device=target_head.device)
+        d2t, t2d = vocab_maps(draft_ids, tcfg.vocab_size)
+        with torch.no_grad():
+            draft.d2t.copy_(d2t)
+            draft.t2d.copy_(t2d)
+            draft.lm_head.weight.copy_(target_head.detach()[draft_ids.to(target_head.device)])
+        return draft.bind_target(target)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
+        """Load a draft checkpoint (safetensors only), from this package, EAGLE, SpecForge or speculators.
+
+        ``t2d``/``d2t`` absent means the full vocabulary. Pass ``target=`` to validate and bind in one go.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
+        kwargs["use_safetensors"] = True
+        want_info = kwargs.pop("output_loading_info", False)
+        draft, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        draft._complete_vocab_maps(set(info["missing_keys"]))
+        if target is not None:
+            draft.bind_target(target)
+        return (draft, info) if want_info else draft
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """Write the vLLM-loadable checkpoint: safetensors, ``architectures: ["LlamaForCausalLMEagle3"]``."""
+        if push_to_hub:
+            return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory))), **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        # PreTrainedModel records the Python class name; vLLM dispatches on the EAGLE-3 architecture name.
+        self.config.architectures = [EAGLE3_ARCHITECTURE]
+        self.config.save_pretrained(save_directory)
+        return result
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        model_card: str | None = None,
+        commit_message: str = "Upload EAGLE-3 draft",
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ):
+        """Upload the checkpoint (plus ``model_card`` as README.md) to ``repo_id``; returns the commit info."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder)
+            if model_card is not None:
+                Path(folder, "README.md").write_text(model_card, encoding="utf-8")
+            repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message,
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+    def _complete_vocab_maps(self, missing_keys: set[str]) -> None:
+        reduced = self.config.draft_vocab_size < self.config.vocab_size
+        if "d2t" in missing_keys and reduced:
+            raise ValueError(
+                f"The checkpoint has draft_vocab_size={self.config.draft_vocab_size} < vocab_size="
+                f"{self.config.vocab_size} but no `d2t` tensor, so its draft ids cannot be mapped to target ids."
+            )
+        if "t2d" in missing_keys:
+            target_ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+            t2d = torch.zeros_like(self.t2d)
+            t2d[target_ids] = True
+            self.t2d.copy_(t2d)
+
+    def bind_target(self, target: PreTrainedModel) -> "Eagle3DraftModel":
+        """Check that this draft fits ``target`` and read token embeddings from it from now on."""
+        self.validate_target(target.config)
+        self.__dict__["_target_embedding"] = target.get_input_embeddings()
+        return self
+
+    def validate_target(self, target_config) -> tuple[int, ...]:
+        """Raise a ValueError if the draft cannot serve a target with this config; return the tap ids."""
+        tcfg = target_config.get_text_config()
+        cfg = self.config
+        checks = [
+            ("target_hidden_size", cfg.target_hidden_size, "hidden_size", tcfg.hidden_size),
+            ("hidden_size", cfg.hidden_size, "hidden_size", tcfg.hidden_size),
+            ("vocab_size", cfg.vocab_size, "vocab_size", tcfg.vocab_size),
+        ]
+        for draft_field, draft_value, target_field, target_value in checks:
+            if draft_value != target_value:
+                raise ValueError(
+                    f"This draft does not fit the target: draft {draft_field}={draft_value} but the target's "
+                    f"{target_field}={target_value}; they must be equal."
+                )
+        try:
+            return self.resolved_aux_layer_ids(tcfg.num_hidden_layers)
+        except ValueError as err:
+            raise ValueError(f"This draft does not fit the target: {err}") from None
+
+    def resolved_aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        """The tap ids for a target of this depth (EAGLE-3's defaults when the checkpoint names none)."""
+        ids = validate_aux_layer_ids(self.config.aux_layer_ids, num_target_layers)
+        if len(ids) != self.config.num_aux_hidden_states:
+            raise ValueError(f"`fc` takes {self.config.num_aux_hidden_states} taps, but {len(ids)} tap ids resolve.")
+        return ids
+
+    @property
+    def target_embedding(self) -> nn.Module:
+        if self._target_embedding is None:
+            raise RuntimeError(
+                "This draft is not bound to a target: call `draft.bind_target(target)` (or pass `target=` to "
+                "`from_pretrained`); the draft reads token embeddings from the target."
+            )
+        return self._target_embedding
+
+    @property
+    def decoder_layers(self) -> list[Eagle3DecoderLayer]:
+        return [self.midlayer, *self.layers.values()]
+
+    @property
+    def draft_to_target_ids(self) -> torch.Tensor:
+        """Target id of every draft id, ``[draft_vocab_size]``."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ the four-call interface
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target token embeddings, detached: the draft never trains the policy's embedding."""
+        weight = self.target_embedding.weight.detach()
+        return F.embedding(input_ids.to(weight.device), weight).to(self.fc.weight.dtype)
+
+    def project_hidden_states(self, aux_hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """``g = fc(concat(taps))``; taps as one ``[..., n * target_hidden]`` tensor or a sequence of ``n``."""
+        if not isinstance(aux_hidden_states, torch.Tensor):
+            aux_hidden_states = torch.cat(list(aux_hidden_states), dim=-1)
+        expected = self.fc.in_features
+        if aux_hidden_states.shape[-1] != expected:
+            raise ValueError(
+                f"The taps have width {aux_hidden_states.shape[-1]}; this draft's `fc` takes "
+                f"{self.config.num_aux_hidden_states} taps of {self.config.target_hidden_size} = {expected}."
+            )
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def backbone(
+        self,
+        input_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: AttendFn,
+    ) -> torch.Tensor:
+        """One draft step over ``[B, L]`` positions; returns the pre-norm output ``h`` (next step's input)."""
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.decoder_layers:
+            hidden_states = layer(hidden_states, input_embeds, position_embeddings, attend)
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary from the pre-norm output."""
+        return self.lm_head(self.norm(hidden_states))
+
+    # ------------------------------------------------------------------ cached forward for generation
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        aux_hidden_states: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> Eagle3DraftOutput:
+        r"""
+        One causal step with an optional KV cache, as vLLM runs the draft.
+
+        Args:
+            aux_hidden_states: concatenated target taps ``[B, L, n * target_hidden]`` (a first step), or
+            hidden_states: the draft's own previous pre-norm output ``[B, L, hidden]`` (later steps).
+            attention_mask: ``[B, past + L]``, 1 where a cache slot (or new position) holds a real token. Slot
+                order is time order, so rejected speculative slots can simply be masked out.
+            position_ids: ``[B, L]`` RoPE positions (default: consecutive after the cache).
+        """
+        if (aux_hidden_states is None) == (hidden_states is None):
+            raise ValueError("Pass exactly one of `aux_hidden_states` (taps) and `hidden_states` (draft output).")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        if hidden_states is None:
+            hidden_states = self.project_hidden_states(aux_hidden_states)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=inputs_embeds.device).expand(batch, -1)
+        visible = _causal_slot_mask(attention_mask, batch, length, past, inputs_embeds.device)
+
+        def attend(layer_index, q, k, v):
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, layer_index)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+
+        hidden_states = self.backbone(inputs_embeds, hidden_states, position_ids, attend)
+        return Eagle3DraftOutput(
+            logits=self.compute_logits(hidden_states), hidden_states=hidden_states, past_key_values=past_key_values
+        )
+
+
+def _causal_slot_mask(
+    attention_mask: torch.Tensor | None, batch: int, length: int, past: int, device: torch.device
+) -> torch.Tensor:
+    """``[B, 1, L, past + L]`` bool: query ``i`` sees slots ``<= past + i`` that hold real tokens.
+
+    A query always sees its own slot, so a padding query gets a finite (ignored) output rather than NaN.
+    """
+    total = past + length
+    slots = torch.arange(total, device=device)[None, :]
+    own_slot = (past + torch.arange(length, device=device))[:, None]
+    causal = slots <= own_slot
+    if attention_mask is None:
+        return causal[None, None].expand(batch, 1, length, total)
+    if attention_mask.shape != (batch, total):
+        raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}; expected ({batch}, {total}).")
+    real = attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    return (causal[None, None] & real) | (slots == own_slot)[None, None]
