@@ -11,31 +11,50 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DraftTrainingConfig",
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
+    "SpecCoTrainConfig",
+    "SpecCoTrainGRPOTrainer",
+    "SpeculativeOutput",
     "TTTOutput",
     "TapRecorder",
+    "VLLMRolloutEngine",
     "__version__",
     "branch_attention",
     "default_aux_layer_ids",
+    "speculative_generate",
+    "train_draft",
     "ttt_loss",
 ]
 
 _MODULE_OF = {
+    "DraftTrainingConfig": "warmstart",
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
-    "TapRecorder": "taps",
-    "default_aux_layer_ids": "taps",
+    "SpecCoTrainConfig": "config",
+    "SpecCoTrainGRPOTrainer": "trainer",
+    "SpeculativeOutput": "generation.speculative",
     "TTTOutput": "ttt",
-    "ttt_loss": "ttt",
+    "TapRecorder": "taps",
+    "VLLMRolloutEngine": "generation.vllm_engine",
     "branch_attention": "attention",
+    "default_aux_layer_ids": "taps",
+    "speculative_generate": "generation.speculative",
+    "train_draft": "warmstart",
+    "ttt_loss": "ttt",
 }
 
 if TYPE_CHECKING:
     from .attention import branch_attention
+    from .config import SpecCoTrainConfig
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
+    from .generation.speculative import SpeculativeOutput, speculative_generate
+    from .generation.vllm_engine import VLLMRolloutEngine
     from .taps import TapRecorder, default_aux_layer_ids
+    from .trainer import SpecCoTrainGRPOTrainer
     from .ttt import TTTOutput, ttt_loss
+    from .warmstart import DraftTrainingConfig, train_draft
 
 
 def __getattr__(name: str):

@@ -6,6 +6,12 @@ A tap id ``a`` is the *input* of decoder layer ``a``: the residual stream after 
 """
 
 from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
 
 
 MIN_LAYERS_FOR_DEFAULT_TAPS = 6
@@ -39,3 +45,119 @@ def validate_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int)
     if len(set(ids)) != len(ids):
         raise ValueError(f"`aux_layer_ids`={list(ids)} has duplicates; each tap id may appear once.")
     return ids
+
+
+@dataclass
+class Taps:
+    """What one target forward exposed to the draft.
+
+    ``aux_hidden_states``: the tapped layer inputs concatenated, ``[B, L, n * hidden]``; ``embeddings``: the
+    input of layer 0 (the token embeddings), ``[B, L, hidden]``; ``final_hidden``: the output of the final norm
+    (what the lm_head reads), ``[B, L, hidden]``. Recorded tensors are detached.
+    """
+
+    aux_hidden_states: torch.Tensor
+    embeddings: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (with ``.layers`` and ``.norm``) of a HF causal LM, through DDP/PEFT wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP and friends
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if not hasattr(decoder, "layers"):
+        raise ValueError(f"Cannot find the decoder layers of {type(model).__name__}: no `.get_decoder().layers`.")
+    return decoder
+
+
+class TapRecorder:
+    """Forward hooks that record the target's taps, and that are always removed on exit.
+
+    Hooks record only inside ``capture()``, so forwards that must not feed the draft (reference or old-policy
+    log-probs, gradient-checkpointing recomputation during backward) pass through untouched::
+
+        with TapRecorder(model, (2, 16, 29)) as recorder:
+            with recorder.capture():
+                model(input_ids)
+            taps = recorder.pop()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layer_ids: Sequence[int],
+        *,
+        record_embeddings: bool = False,
+        record_final_hidden: bool = False,
+    ):
+        self.decoder = decoder_of(model)
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.decoder.layers))
+        self.record_embeddings = record_embeddings
+        self.record_final_hidden = record_final_hidden
+        self._hooked_layers = sorted(set(self.aux_layer_ids) | ({0} if record_embeddings else set()))
+        self._handles: list = []
+        self._capturing = False
+        self._current: dict[str, torch.Tensor] = {}
+        self._done: list[Taps] = []
+
+    def __enter__(self) -> "TapRecorder":
+        for layer_id in self._hooked_layers:
+            hook = partial(self._record_layer_input, f"layer{layer_id}")
+            self._handles.append(self.decoder.layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
+        if self.record_final_hidden:
+            self._handles.append(self.decoder.norm.register_forward_hook(self._record_final_hidden))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._capturing = False
+
+    @contextmanager
+    def capture(self):
+        """Record the taps of the forwards run inside this block (one `Taps` per full forward)."""
+        self._capturing = True
+        try:
+            yield self
+        finally:
+            self._capturing = False
+            self._current = {}
+
+    def pop(self) -> Taps:
+        """The taps of the oldest recorded forward not yet popped."""
+        if not self._done:
+            raise RuntimeError("No recorded forward: run the target inside `recorder.capture()` first.")
+        return self._done.pop(0)
+
+    def pop_all(self) -> list[Taps]:
+        done, self._done = self._done, []
+        return done
+
+    def _record_layer_input(self, name, module, args, kwargs):
+        if self._capturing:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._current[name] = hidden.detach()
+            if not self.record_final_hidden and name == f"layer{self._hooked_layers[-1]}":
+                self._finish()
+
+    def _record_final_hidden(self, module, args, output):
+        if self._capturing:
+            self._current["final"] = output.detach()
+            self._finish()
+
+    def _finish(self) -> None:
+        current, self._current = self._current, {}
+        missing = [f"layer{i}" for i in self._hooked_layers if f"layer{i}" not in current]
+        if missing:
+            raise RuntimeError(f"A target forward skipped tapped layers {missing}; cannot build the draft's input.")
+        self._done.append(
+            Taps(
+                aux_hidden_states=torch.cat([current[f"layer{i}"] for i in self.aux_layer_ids], dim=-1),
+                embeddings=current.get("layer0") if self.record_embeddings else None,
+                final_hidden=current.get("final"),
+            )
+        )

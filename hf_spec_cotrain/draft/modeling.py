@@ -248,20 +248,20 @@ class Eagle3DraftModel(PreTrainedModel):
         create_pr: bool = False,
     ):
         """Upload the checkpoint (plus ``model_card`` as README.md) to ``repo_id``; returns the commit info."""
-        from huggingface_hub import HfApi
+        from ..hub import push_draft_folder
 
-        api = HfApi(token=token)
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder)
             if model_card is not None:
                 Path(folder, "README.md").write_text(model_card, encoding="utf-8")
-            repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=folder,
-                commit_message=commit_message,
+            return push_draft_folder(
+                folder,
+                repo_id,
+                token=token,
+                private=private,
                 revision=revision,
                 create_pr=create_pr,
+                commit_message=commit_message,
             )
 
     def _complete_vocab_maps(self, missing_keys: set[str]) -> None:

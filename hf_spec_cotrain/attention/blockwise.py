@@ -1,0 +1,380 @@
+"""Blockwise (flash-attention style) branch attention in pure PyTorch, with linear memory in L.
+
+Layout, following ring-flash-attention: the per-block pieces first (`block_forward` /
+`block_backward` for one query block against one key block, `branch_forward` /
+`branch_backward` for the position-private branch keys in closed form), then the drivers that
+loop over blocks (`trunk_forward` / `trunk_backward` take global positions and document ids for
+queries and keys separately, so a ring driver can call them on a key shard from another rank),
+then the single-device forward/backward, an autograd `Function` that only delegates, and the
+public `branch_attention`.
+
+Internal layout: queries are grouped by key/value head, `[B, Hkv, G, L, D]` with `G = Hq // Hkv`,
+so GQA never repeats K/V; log-sum-exps are `[B, Hkv, G, L]`. Everything inside runs in the
+compute dtype (float32 for half-precision inputs, float64 for float64).
+"""
+
+import torch
+import torch.distributed as dist
+
+from .masks import Visibility, block_mask, block_spans, block_visibility, document_ids
+from .merge import merge_attention_partials
+from .validation import check_branch_attention_inputs
+
+
+BLOCK_SIZE = 256
+"""Default query/key block length. On CPU (one thread, Hq=8, Hkv=2, D=64, L=4K-8K) 256 was ~10% faster than 512
+and ~1.5x faster than 1024: a [G * 256, 256] score block stays in cache while the matmuls stay efficient."""
+
+
+def block_forward(
+    q_block: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query block over one key block.
+
+    `q_block [B, Hkv, G, Nq, D]` (contiguous avoids a copy), `k_block, v_block [B, Hkv, Nk, D]`,
+    `mask [Nq, Nk]` (True = visible) or None for a fully visible block. Returns the normalised output
+    `[B, Hkv, G, Nq, D]` and log-sum-exp `[B, Hkv, G, Nq]`; a query with no visible key gets a zero
+    output and `lse = -inf`.
+    """
+    group_size, num_queries = q_block.shape[2:4]
+    scores = torch.matmul(q_block.flatten(2, 3), k_block.transpose(-1, -2)).unflatten(2, (group_size, num_queries))
+    scores.mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    if mask is not None:
+        # Fully masked rows: subtract 0 instead of -inf so that their probabilities are exp(-inf) = 0.
+        row_max.masked_fill_(row_max == float("-inf"), 0.0)
+    probs = scores.sub_(row_max).exp_()
+    row_sum = probs.sum(dim=-1)
+    out = torch.matmul(probs.flatten(2, 3), v_block).unflatten(2, (group_size, num_queries))
+    # A row with a visible key sums to >= 1 (its maximum contributes exp(0)); an empty row sums to 0.
+    out.div_(row_sum.clamp_min(1.0).unsqueeze(-1))
+    return out, row_max.squeeze(-1) + row_sum.log()
+
+
+def block_backward(
+    dout_block: torch.Tensor,
+    q_block: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    lse_block: torch.Tensor,
+    delta_block: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one (query block, key block) pair, recomputing the probabilities from the final `lse`.
+
+    `dout_block, q_block [B, Hkv, G, Nq, D]`, `lse_block, delta_block [B, Hkv, G, Nq]` where `lse` is the
+    log-sum-exp over *all* keys of the query and `delta = rowsum(dout * out)`. Returns
+    `dq [B, Hkv, G, Nq, D]` and `dk, dv [B, Hkv, Nk, D]` (summed over the G query heads of a group).
+    """
+    group_size, num_queries = q_block.shape[2:4]
+    q_flat, dout_flat = q_block.flatten(2, 3), dout_block.flatten(2, 3)
+    scores = torch.matmul(q_flat, k_block.transpose(-1, -2))
+    scores.mul_(scale)
+    if mask is not None:
+        scores.unflatten(2, (group_size, num_queries)).masked_fill_(~mask, float("-inf"))
+    probs = scores.sub_(lse_block.flatten(2, 3).unsqueeze(-1)).exp_()
+    dv = torch.matmul(probs.transpose(-1, -2), dout_flat)
+    dscores = torch.matmul(dout_flat, v_block.transpose(-1, -2))
+    dscores.sub_(delta_block.flatten(2, 3).unsqueeze(-1)).mul_(probs).mul_(scale)
+    dq = torch.matmul(dscores, k_block).unflatten(2, (group_size, num_queries))
+    dk = torch.matmul(dscores.transpose(-1, -2), q_flat)
+    return dq, dk, dv
+
+
+def branch_forward(
+    q: torch.Tensor, branch_k: torch.Tensor, branch_v: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query over its own S branch keys, in closed form (each query has exactly S keys).
+
+    `q [B, Hkv, G, L, D]`, `branch_k, branch_v [S, B, Hkv, L, D]` with S >= 1. Returns `(out, lse)` like
+    `block_forward`. Local to a rank: the branch keys of a position live where its query lives.
+    """
+    scores = torch.einsum("bhgld,sbhld->sbhgl", q, branch_k).mul_(scale)
+    lse = torch.logsumexp(scores, dim=0)
+    probs = scores.sub_(lse).exp_()
+    return torch.einsum("sbhgl,sbhld->bhgld", probs, branch_v), lse
+
+
+def branch_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    branch_k: torch.Tensor,
+    branch_v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form gradients of the branch keys, given the final `lse` and `delta = rowsum(dout * out)`.
+
+    With `p_t` the weight of branch key t: `ds_t = p_t (<dout, bv_t> - delta)`, `dq = scale sum_t ds_t bk_t`,
+    `dbk_t = scale ds_t q` and `dbv_t = p_t dout`, both summed over the query heads of a group.
+    """
+    probs = torch.einsum("bhgld,sbhld->sbhgl", q, branch_k).mul_(scale).sub_(lse).exp_()
+    dscores = torch.einsum("bhgld,sbhld->sbhgl", dout, branch_v).sub_(delta).mul_(probs).mul_(scale)
+    dq = torch.einsum("sbhgl,sbhld->bhgld", dscores, branch_k)
+    dbranch_k = torch.einsum("sbhgl,bhgld->sbhld", dscores, q)
+    dbranch_v = torch.einsum("sbhgl,bhgld->sbhld", probs, dout)
+    return dq, dbranch_k, dbranch_v
+
+
+def trunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    query_positions: torch.Tensor,
+    query_doc_ids: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_doc_ids: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, document-masked attention of `q [B, Hkv, G, Lq, D]` over `k, v [B, Hkv, Lk, D]`, block by block.
+
+    Positions and document ids are global (`[Lq]` and `[Lk]`); key blocks that no query of a block
+    can see are skipped. Queries that see no key here get a zero output and `lse = -inf`.
+    """
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    key_spans = block_spans(key_positions, key_doc_ids, block_size)
+    for query_span in block_spans(query_positions, query_doc_ids, block_size):
+        rows = slice(query_span.start, query_span.end)
+        q_block = q[:, :, :, rows].contiguous()
+        block_out = block_lse = None
+        for key_span in key_spans:
+            visibility = block_visibility(query_span, key_span)
+            if visibility is Visibility.SKIP:
+                continue
+            cols = slice(key_span.start, key_span.end)
+            mask = None
+            if visibility is Visibility.PARTIAL:
+                mask = block_mask(query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols])
+            pair_out, pair_lse = block_forward(q_block, k[:, :, cols], v[:, :, cols], scale=scale, mask=mask)
+            if block_out is None:
+                block_out, block_lse = pair_out, pair_lse
+            else:
+                block_out, block_lse = merge_attention_partials(block_out, block_lse, pair_out, pair_lse)
+        if block_out is not None:
+            out[:, :, :, rows] = block_out
+            lse[:, :, :, rows] = block_lse
+    return out, lse
+
+
+def trunk_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    query_positions: torch.Tensor,
+    query_doc_ids: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_doc_ids: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `trunk_forward` given the final `lse` and `delta`; returns `dq` and the `dk, dv` of this key shard."""
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    key_spans = block_spans(key_positions, key_doc_ids, block_size)
+    for query_span in block_spans(query_positions, query_doc_ids, block_size):
+        rows = slice(query_span.start, query_span.end)
+        q_block = q[:, :, :, rows].contiguous()
+        dout_block = dout[:, :, :, rows].contiguous()
+        lse_block, delta_block = lse[:, :, :, rows].contiguous(), delta[:, :, :, rows].contiguous()
+        dq_block = dq[:, :, :, rows]
+        for key_span in key_spans:
+            visibility = block_visibility(query_span, key_span)
+            if visibility is Visibility.SKIP:
+                continue
+            cols = slice(key_span.start, key_span.end)
+            mask = None
+            if visibility is Visibility.PARTIAL:
+                mask = block_mask(query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols])
+            pair_dq, pair_dk, pair_dv = block_backward(
+                dout_block, q_block, k[:, :, cols], v[:, :, cols], lse_block, delta_block, scale=scale, mask=mask
+            )
+            dq_block.add_(pair_dq)
+            dk[:, :, cols].add_(pair_dk)
+            dv[:, :, cols].add_(pair_dv)
+    return dq, dk, dv
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision, the input dtype otherwise (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _grouped(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, Hq, L, D]` -> `[B, Hkv, G, L, D]`; query head h belongs to key/value head h // G (as HF's repeat_kv)."""
+    return q.unflatten(1, (num_kv_heads, q.shape[1] // num_kv_heads)).to(dtype)
+
+
+def branch_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    *,
+    positions: torch.Tensor,
+    doc_ids: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-device forward on public layouts; returns `out [B, Hq, L, D]` in q's dtype and `lse [B, Hkv, G, L]`."""
+    dtype = _compute_dtype(q.dtype)
+    q_grouped = _grouped(q, k.shape[1], dtype)
+    out, lse = trunk_forward(
+        q_grouped,
+        k.to(dtype),
+        v.to(dtype),
+        query_positions=positions,
+        query_doc_ids=doc_ids,
+        key_positions=positions,
+        key_doc_ids=doc_ids,
+        scale=scale,
+        block_size=block_size,
+    )
+    if branch_k is not None:
+        branch_out, branch_lse = branch_forward(q_grouped, branch_k.to(dtype), branch_v.to(dtype), scale=scale)
+        out, lse = merge_attention_partials(out, lse, branch_out, branch_lse)
+    return out.flatten(1, 2).to(q.dtype), lse
+
+
+def branch_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    positions: torch.Tensor,
+    doc_ids: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """Single-device backward; returns `dq, dk, dv, dbranch_k, dbranch_v` in the inputs' dtypes (None without branch)."""
+    dtype = _compute_dtype(q.dtype)
+    num_kv_heads = k.shape[1]
+    q_grouped = _grouped(q, num_kv_heads, dtype)
+    dout_grouped = _grouped(dout, num_kv_heads, dtype)
+    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    dq, dk, dv = trunk_backward(
+        dout_grouped,
+        q_grouped,
+        k.to(dtype),
+        v.to(dtype),
+        lse,
+        delta,
+        query_positions=positions,
+        query_doc_ids=doc_ids,
+        key_positions=positions,
+        key_doc_ids=doc_ids,
+        scale=scale,
+        block_size=block_size,
+    )
+    dbranch_k = dbranch_v = None
+    if branch_k is not None:
+        branch_dq, dbranch_k, dbranch_v = branch_backward(
+            dout_grouped, q_grouped, branch_k.to(dtype), branch_v.to(dtype), lse, delta, scale=scale
+        )
+        dq.add_(branch_dq)
+        dbranch_k, dbranch_v = dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
+
+
+class BranchAttentionFunction(torch.autograd.Function):
+    """Saves only the inputs, the output and the log-sum-exp (linear in L); the backward recomputes per block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, branch_k, branch_v, positions, doc_ids, scale, block_size):
+        out, lse = branch_attention_forward(
+            q, k, v, branch_k, branch_v, positions=positions, doc_ids=doc_ids, scale=scale, block_size=block_size
+        )
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse, positions, doc_ids)
+        ctx.scale, ctx.block_size = scale, block_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, branch_k, branch_v, out, lse, positions, doc_ids = ctx.saved_tensors
+        grads = branch_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            branch_k,
+            branch_v,
+            out,
+            lse,
+            positions=positions,
+            doc_ids=doc_ids,
+            scale=ctx.scale,
+            block_size=ctx.block_size,
+        )
+        return *grads, None, None, None, None
+
+
+def branch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None = None,
+    branch_v: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """Attention of each query over its causal trunk and its own branch keys, in one softmax.
+
+    Args:
+        q: `[B, Hq, L, D]` queries.
+        k, v: `[B, Hkv, L, D]` trunk keys/values, `Hq % Hkv == 0` (grouped-query attention).
+        branch_k, branch_v: `[S, B, Hkv, L, D]` position-private keys/values (query i sees only
+            `branch_*[:, :, :, i]`), or None (same as S == 0).
+        cu_seqlens: int `[0, ..., L]` boundaries of packed documents along L (then B must be 1);
+            a query sees trunk keys of its own document only.
+        cp_group: context-parallel group; only a world size of 1 is supported so far.
+        scale: score scale, `D**-0.5` by default.
+        block_size: query/key block length; memory grows as `block_size * L`, never `L * L`.
+
+    Returns:
+        `[B, Hq, L, D]` in q's dtype.
+    """
+    branch_k, branch_v, scale = check_branch_attention_inputs(
+        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale
+    )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        raise NotImplementedError(
+            f"branch_attention with a context-parallel group of world size {dist.get_world_size(cp_group)} "
+            "is not implemented yet; pass cp_group=None (or a group of size 1)."
+        )
+    length = q.shape[2]
+    positions = torch.arange(length, device=q.device)
+    if cu_seqlens is None:
+        doc_ids = torch.zeros(length, dtype=torch.int64, device=q.device)
+    else:
+        doc_ids = document_ids(cu_seqlens.to(q.device))
+    return BranchAttentionFunction.apply(q, k, v, branch_k, branch_v, positions, doc_ids, scale, block_size)

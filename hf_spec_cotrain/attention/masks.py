@@ -1,0 +1,88 @@
+"""Pure helpers for the branch-attention trunk mask: document ids, block summaries, block visibility.
+
+The trunk mask is "key position <= query position, and same packed document". It is never built
+at L x L: a block of queries and a block of keys are first classified from their position and
+document ranges, and only blocks that straddle a boundary get an explicit (block x block) mask.
+Positions are global (for context parallelism a rank passes the global positions of its shard),
+so the same tests serve the single-device and the ring drivers.
+"""
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+def document_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Index of the packed document that holds each position; int64 of length `cu_seqlens[-1]`."""
+    length = int(cu_seqlens[-1])
+    positions = torch.arange(length, device=cu_seqlens.device)
+    # right=True so that an empty document (a repeated boundary) owns no position.
+    return torch.searchsorted(cu_seqlens.to(torch.int64), positions, right=True) - 1
+
+
+def positions_in_document(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Offset of each position from the start of its own document (the per-document RoPE position)."""
+    starts = cu_seqlens.to(torch.int64)[document_ids(cu_seqlens)]
+    return torch.arange(starts.numel(), device=cu_seqlens.device) - starts
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """A contiguous slice `[start, end)` of a local sequence and the ranges of its global positions and documents."""
+
+    start: int
+    end: int
+    pos_min: int
+    pos_max: int
+    doc_min: int
+    doc_max: int
+
+
+def block_spans(positions: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> list[BlockSpan]:
+    """Cut a local sequence into blocks of `block_size` (the last one shorter) and summarise each block."""
+    spans = []
+    for start in range(0, positions.numel(), block_size):
+        end = min(start + block_size, positions.numel())
+        pos, doc = positions[start:end], doc_ids[start:end]
+        spans.append(
+            BlockSpan(
+                start=start,
+                end=end,
+                pos_min=int(pos.min()),
+                pos_max=int(pos.max()),
+                doc_min=int(doc.min()),
+                doc_max=int(doc.max()),
+            )
+        )
+    return spans
+
+
+class Visibility(enum.Enum):
+    """How a key block is seen by a query block."""
+
+    SKIP = "skip"  # no query sees any key: causal future or other documents only
+    FULL = "full"  # every query sees every key: no mask needed
+    PARTIAL = "partial"  # needs an explicit block mask
+
+
+def block_visibility(query: BlockSpan, key: BlockSpan) -> Visibility:
+    """Classify a (query block, key block) pair from their ranges alone (conservative: SKIP and FULL are exact)."""
+    if key.pos_min > query.pos_max or key.doc_max < query.doc_min or key.doc_min > query.doc_max:
+        return Visibility.SKIP
+    single_document = key.doc_min == key.doc_max == query.doc_min == query.doc_max
+    if single_document and key.pos_max <= query.pos_min:
+        return Visibility.FULL
+    return Visibility.PARTIAL
+
+
+def block_mask(
+    query_positions: torch.Tensor,
+    query_doc_ids: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_doc_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Boolean `[num_queries, num_keys]` trunk mask: True where the key is visible to the query."""
+    causal = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+    same_document = key_doc_ids.unsqueeze(0) == query_doc_ids.unsqueeze(1)
+    return causal & same_document

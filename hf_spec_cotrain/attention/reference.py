@@ -1,0 +1,50 @@
+"""Dense branch attention: the test oracle. Obviously correct, O(L^2) memory, autograd backward."""
+
+import torch
+
+from .masks import document_ids
+from .validation import check_branch_attention_inputs
+
+
+def branch_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None = None,
+    branch_v: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `branch_attention`, computed with one explicit mask over `[trunk keys; branch keys]`.
+
+    Half-precision inputs are computed in float32; the result is returned in q's dtype.
+    """
+    branch_k, branch_v, scale = check_branch_attention_inputs(
+        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale
+    )
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    length = q.shape[2]
+    group_size = q.shape[1] // k.shape[1]
+
+    keys, values = [k], [v]
+    if branch_k is not None:
+        keys.extend(branch_k.unbind(0))
+        values.extend(branch_v.unbind(0))
+    # Key axis: [trunk positions 0..L-1, branch 0 positions 0..L-1, branch 1 positions 0..L-1, ...].
+    keys = torch.cat(keys, dim=2).repeat_interleave(group_size, dim=1).to(compute_dtype)
+    values = torch.cat(values, dim=2).repeat_interleave(group_size, dim=1).to(compute_dtype)
+
+    positions = torch.arange(length, device=q.device)
+    if cu_seqlens is None:
+        doc_ids = torch.zeros(length, dtype=torch.int64, device=q.device)
+    else:
+        doc_ids = document_ids(cu_seqlens.to(q.device))
+    trunk_mask = (positions[None, :] <= positions[:, None]) & (doc_ids[None, :] == doc_ids[:, None])
+    branch_mask = positions[None, :] == positions[:, None]
+    num_branch = 0 if branch_k is None else branch_k.shape[0]
+    mask = torch.cat([trunk_mask] + [branch_mask] * num_branch, dim=1)
+
+    scores = torch.matmul(q.to(compute_dtype), keys.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, values).to(q.dtype)

@@ -1,0 +1,116 @@
+"""Input checks shared by the blockwise kernel and the dense reference, so both reject the same inputs."""
+
+import math
+
+import torch
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, *, length: int, batch_size: int) -> None:
+    """`cu_seqlens` must be a 1-D integer tensor `[0, ..., length]`, non-decreasing, with batch size 1."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor of int type, got {type(cu_seqlens).__name__}.")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must have an integer dtype (e.g. torch.int32), got {cu_seqlens.dtype}.")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least 2 entries [0, ..., L], got shape {_shape(cu_seqlens)}."
+        )
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != length:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the sequence length L={length}, got first={first} and last={last}."
+        )
+    steps = torch.diff(cu_seqlens.to(torch.int64))
+    if bool((steps < 0).any()):
+        bad = int(torch.nonzero(steps < 0)[0, 0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got {int(cu_seqlens[bad])} followed by {int(cu_seqlens[bad + 1])} "
+            f"at index {bad}."
+        )
+    if batch_size != 1:
+        raise ValueError(
+            f"Packed documents (cu_seqlens given) need batch size B=1, got B={batch_size}; "
+            "concatenate the batch along L instead."
+        )
+
+
+def check_branch_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """Validate the inputs of `branch_attention` and return `(branch_k, branch_v, scale)` normalised.
+
+    An empty branch (S == 0) is returned as None, and a missing scale as `D**-0.5`.
+    """
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [B, Hq, L, D], got shape {_shape(q)}.")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D [B, Hkv, L, D], got shape {_shape(k)}.")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {_shape(k)}, got {_shape(v)}.")
+    batch_size, num_q_heads, length, head_dim = q.shape
+    if k.shape[0] != batch_size or k.shape[2] != length:
+        raise ValueError(
+            f"k and v must be [B={batch_size}, Hkv, L={length}, D={head_dim}] to match q {_shape(q)}, got {_shape(k)}."
+        )
+    if k.shape[3] != head_dim:
+        raise ValueError(f"q and k must have the same head dim D, got q D={head_dim} and k D={k.shape[3]}.")
+    if head_dim == 0:
+        raise ValueError(f"q, k and v must have a head dim D >= 1, got shape {_shape(q)}.")
+    num_kv_heads = k.shape[1]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"The number of query heads Hq={num_q_heads} must be a multiple of the number of key/value heads "
+            f"Hkv={num_kv_heads} (grouped-query attention)."
+        )
+
+    if (branch_k is None) != (branch_v is None):
+        given, missing = ("branch_k", "branch_v") if branch_v is None else ("branch_v", "branch_k")
+        raise ValueError(f"{given} was given without {missing}: pass both or neither.")
+    if branch_k is not None:
+        expected = ("S", *_shape(k))
+        for name, tensor in (("branch_k", branch_k), ("branch_v", branch_v)):
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+            if tensor.dim() != 5 or tensor.shape[1:] != k.shape:
+                raise ValueError(f"{name} must be [S, B, Hkv, L, D] = {expected}, got shape {_shape(tensor)}.")
+        if branch_v.shape[0] != branch_k.shape[0]:
+            raise ValueError(
+                f"branch_k and branch_v must hold the same number of branch keys S, "
+                f"got {branch_k.shape[0]} and {branch_v.shape[0]}."
+            )
+        if branch_k.shape[0] == 0:
+            branch_k = branch_v = None
+
+    tensors = {"q": q, "k": k, "v": v}
+    if branch_k is not None:
+        tensors.update(branch_k=branch_k, branch_v=branch_v)
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q must have a floating-point dtype, got {q.dtype}.")
+    for name, tensor in tensors.items():
+        if tensor.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {tensor.dtype}.")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}.")
+
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, length=length, batch_size=batch_size)
+
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number (default D**-0.5), got {scale!r}.")
+    return branch_k, branch_v, float(scale)

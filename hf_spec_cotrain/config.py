@@ -1,0 +1,167 @@
+"""`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .ttt import DEFAULT_STEP_WEIGHT_DECAY
+
+
+DRAFT_SAMPLING_CHOICES = ("probabilistic", "greedy")
+
+
+@dataclass
+class SpecCoTrainConfig(GRPOConfig):
+    r"""
+    Configuration of [`SpecCoTrainGRPOTrainer`]: every [`~trl.GRPOConfig`] field plus the ones below.
+
+    Parameters:
+        > Parameters that control how the draft starts
+
+        draft_model_name_or_path (`str`, *optional*):
+            An EAGLE-3 draft checkpoint (folder or Hub id, safetensors) to start from. When unset a draft is built
+            from the policy with the three options below.
+        draft_num_layers (`int`, *optional*, defaults to `1`):
+            Decoder layers of a draft built from the policy.
+        draft_vocab_size (`int`, *optional*):
+            Draft vocabulary size of a draft built from the policy: the most frequent tokens of the training
+            prompts. Defaults to the policy's whole vocabulary.
+        aux_layer_ids (`list[int]`, *optional*):
+            Tapped policy layers (the inputs of these decoder layers). Defaults to `(2, L//2, L-3)`.
+
+        > Parameters that control the draft's training (training-time test)
+
+        ttt_steps (`int`, *optional*, defaults to `3`):
+            Unrolled steps K of the training-time-test loss.
+        ttt_step_weight_decay (`float`, *optional*, defaults to `0.8`):
+            The loss of step d is weighted by `ttt_step_weight_decay ** d`.
+        draft_learning_rate (`float`, *optional*, defaults to `2e-4`):
+            Peak learning rate of the draft's own AdamW optimizer.
+        draft_weight_decay (`float`, *optional*, defaults to `0.0`):
+            Weight decay of the draft's optimizer.
+        draft_max_grad_norm (`float`, *optional*, defaults to `1.0`):
+            Gradient clipping of the draft (0 disables).
+        draft_warmup_steps (`int`, *optional*, defaults to `20`):
+            Linear warm-up of the draft's learning rate, in draft updates. A cold start at full rate can wreck a
+            warm-started draft in one step.
+        draft_lr_scheduler_type (`str`, *optional*, defaults to `"constant_with_warmup"`):
+            A transformers scheduler name for the draft.
+        draft_update_interval (`int`, *optional*, defaults to `1`):
+            Update the draft every this many policy optimizer steps (gradients accumulate in between).
+
+        > Parameters that control speculative rollouts
+
+        speculative_decoding (`bool`, *optional*, defaults to `True`):
+            Generate rollouts with the co-trained draft. When False the draft still trains (for a later push) but
+            rollouts use plain generation.
+        num_speculative_tokens (`int`, *optional*, defaults to `3`):
+            Tokens the draft proposes per verification step.
+        draft_sampling (`str`, *optional*):
+            How the draft proposes when rollouts sample: `"probabilistic"` (sample from the draft's distribution,
+            standard speculative sampling; the default) or `"greedy"` (propose the draft's argmax).
+        vllm_draft_sample_method (`str`, *optional*):
+            vLLM's `speculative_config.draft_sample_method`. Defaults to what `draft_sampling` asks for when vLLM
+            accepts it for the draft at hand (vLLM 0.31 refuses probabilistic drafting with a reduced draft
+            vocabulary; the trainer then falls back to greedy drafting and says so in the log).
+        vllm_rejection_sample_method (`str`, *optional*):
+            vLLM's `speculative_config.rejection_sample_method`; paired with `vllm_draft_sample_method`.
+
+        > Parameters that control saving the draft
+
+        save_draft (`bool`, *optional*, defaults to `True`):
+            Save the draft (vLLM-loadable folder `draft/`, plus its optimizer) in every checkpoint and at the end.
+        push_draft_to_hub (`bool`, *optional*, defaults to `False`):
+            Push the co-trained draft, with its model card, to the Hub at the end of training.
+        draft_hub_model_id (`str`, *optional*):
+            Hub repository of the draft. Defaults to `<hub_model_id or output_dir name>-eagle3`.
+    """
+
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS
+
+    draft_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "EAGLE-3 draft checkpoint (folder or Hub id) to start from; unset: build from the policy."},
+    )
+    draft_num_layers: int = field(default=1, metadata={"help": "Decoder layers of a draft built from the policy."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Draft vocabulary size (most frequent prompt tokens); unset: the whole vocabulary."},
+    )
+    aux_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Tapped policy layers (inputs of these layers); unset: (2, L//2, L-3)."}
+    )
+    ttt_steps: int = field(default=3, metadata={"help": "Unrolled steps K of the training-time-test loss."})
+    ttt_step_weight_decay: float = field(
+        default=DEFAULT_STEP_WEIGHT_DECAY, metadata={"help": "Loss weight of TTT step d: ttt_step_weight_decay**d."}
+    )
+    draft_learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of the draft."})
+    draft_weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the draft's optimizer."})
+    draft_max_grad_norm: float = field(default=1.0, metadata={"help": "Draft gradient clipping (0 disables)."})
+    draft_warmup_steps: int = field(default=20, metadata={"help": "Warm-up of the draft's learning rate."})
+    draft_lr_scheduler_type: str = field(
+        default="constant_with_warmup", metadata={"help": "transformers scheduler name for the draft."}
+    )
+    draft_update_interval: int = field(
+        default=1, metadata={"help": "Update the draft every this many policy optimizer steps."}
+    )
+    speculative_decoding: bool = field(
+        default=True, metadata={"help": "Generate rollouts with the co-trained draft (speculative decoding)."}
+    )
+    num_speculative_tokens: int = field(default=3, metadata={"help": "Draft tokens proposed per verification."})
+    draft_sampling: str | None = field(
+        default=None,
+        metadata={"help": "How the draft proposes when sampling: 'probabilistic' (default) or 'greedy'."},
+    )
+    vllm_draft_sample_method: str | None = field(
+        default=None, metadata={"help": "vLLM speculative_config.draft_sample_method (default: from draft_sampling)."}
+    )
+    vllm_rejection_sample_method: str | None = field(
+        default=None, metadata={"help": "vLLM speculative_config.rejection_sample_method."}
+    )
+    save_draft: bool = field(default=True, metadata={"help": "Save the draft in checkpoints and at the end."})
+    push_draft_to_hub: bool = field(default=False, metadata={"help": "Push the co-trained draft to the Hub."})
+    draft_hub_model_id: str | None = field(
+        default=None, metadata={"help": "Hub repository of the draft (default: <hub_model_id>-eagle3)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("draft_num_layers", "ttt_steps", "num_speculative_tokens", "draft_update_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} is not allowed: it must be an int >= 1.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"`draft_vocab_size`={self.draft_vocab_size} is not allowed: it must be >= 1 (or unset).")
+        if self.draft_model_name_or_path is not None:
+            conflicting = {"draft_vocab_size": self.draft_vocab_size, "aux_layer_ids": self.aux_layer_ids}
+            set_fields = [name for name, value in conflicting.items() if value is not None]
+            if set_fields or self.draft_num_layers != 1:
+                raise ValueError(
+                    f"`draft_model_name_or_path` loads a draft whose shape is fixed; do not also set "
+                    f"{set_fields or ['draft_num_layers']} (they only apply to a draft built from the policy)."
+                )
+        if not self.ttt_step_weight_decay > 0:
+            raise ValueError(f"`ttt_step_weight_decay`={self.ttt_step_weight_decay} is not allowed: it must be > 0.")
+        if self.draft_learning_rate <= 0:
+            raise ValueError(f"`draft_learning_rate`={self.draft_learning_rate} is not allowed: it must be > 0.")
+        if self.draft_max_grad_norm < 0 or self.draft_warmup_steps < 0 or self.draft_weight_decay < 0:
+            raise ValueError(
+                "`draft_max_grad_norm`, `draft_warmup_steps` and `draft_weight_decay` must be >= 0; got "
+                f"{self.draft_max_grad_norm}, {self.draft_warmup_steps}, {self.draft_weight_decay}."
+            )
+        if self.draft_sampling is not None and self.draft_sampling not in DRAFT_SAMPLING_CHOICES:
+            raise ValueError(
+                f"`draft_sampling`={self.draft_sampling!r} is not allowed: choose one of {DRAFT_SAMPLING_CHOICES}."
+            )
+        if self.push_draft_to_hub and not self.save_draft:
+            raise ValueError("`push_draft_to_hub=True` needs `save_draft=True`: the pushed folder is the saved draft.")
+        if (
+            self.speculative_decoding
+            and ((self.repetition_penalty not in (None, 1.0)) or (self.min_p not in (None, 0.0)))
+            and not self.use_vllm
+        ):
+            raise ValueError(
+                f"Speculative rollouts without vLLM support temperature, top_p and top_k, not "
+                f"repetition_penalty={self.repetition_penalty} or min_p={self.min_p}: unset those or set "
+                "`speculative_decoding=False`."
+            )

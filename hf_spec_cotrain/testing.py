@@ -1,0 +1,187 @@
+"""Tiny, locally built models and tokenizers for tests, examples and benchmarks.
+
+Nothing here downloads: the tokenizer is made with the `tokenizers` library and the targets are
+random transformers models built from configs. The weights are seeded and scaled so that the
+logits are far from uniform (greedy decoding is stable across kernels) and every tensor, norms and
+biases included, differs from its default initialisation (weight-sync tests see every tensor).
+"""
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+
+__all__ = ["SUPPORTED_FAMILIES", "build_char_tokenizer", "build_tiny_target", "save_tiny_target"]
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+# vLLM's CPU attention kernels refuse smaller heads.
+_MIN_HEAD_DIM = 32
+# Logits with a standard deviation of about 3: peaked enough for a stable greedy argmax and for a
+# draft to have something to learn, while sampling at temperature 1 still varies.
+_LM_HEAD_GAIN = 3.0
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<s>", "</s>", "<unk>"
+_SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+DEFAULT_ALPHABET = string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", "")
+
+# Plain-text roles keep the template inside the character alphabet.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0-3 are `<pad>`, `<s>`, `</s>`, `<unk>`, then one id per character.
+
+    `alphabet` (ASCII) defaults to printable ASCII plus newline, without other whitespace control
+    characters. Ids follow the alphabet's order, so the same alphabet always gives the same ids.
+    Characters outside the alphabet map to `<unk>` (one per UTF-8 byte; a folder that transformers
+    reloads as a Qwen2 tokenizer drops them instead). No special token is added on encoding; the chat
+    template starts with `<s>`.
+
+    It is a byte-level BPE without merges: for ASCII that is one token per character, and it is the
+    pipeline transformers rebuilds when it forces its own tokenizer class on a saved folder (it does
+    for Qwen2), so the ids survive `AutoTokenizer.from_pretrained` for every family.
+    """
+    alphabet = DEFAULT_ALPHABET if alphabet is None else alphabet
+    if not alphabet or not alphabet.isascii():
+        raise ValueError(f"alphabet must be a non-empty ASCII string, got {alphabet!r}.")
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError(f"alphabet has repeated characters: {alphabet!r}; give each character once.")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    # The byte-level symbol of each character (a space is "Ġ", a newline "Ċ").
+    symbols = [byte_level.pre_tokenize_str(character)[0][0] for character in alphabet]
+    vocab = {token: index for index, token in enumerate((*_SPECIAL_TOKENS, *symbols))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_target(
+    family: str = "llama",
+    *,
+    num_layers: int = 6,
+    hidden_size: int = 128,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 256,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> PreTrainedModel:
+    """A random causal LM of `family` ("llama", "qwen2" or "qwen3") with seeded, non-degenerate weights.
+
+    `vocab_size` defaults to the size of `tokenizer` (the character tokenizer when None). Matrices
+    are drawn with standard deviation `1/sqrt(fan_in)` (embeddings: 1; lm_head: 3 times that), norm weights around 1 and
+    biases around 0, all from one generator seeded with `seed`, so the same arguments always give
+    the same model.
+    """
+    if family not in _FAMILIES:
+        raise ValueError(f"family={family!r} is not supported; choose one of {', '.join(SUPPORTED_FAMILIES)}.")
+    if head_dim < _MIN_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim} is too small: vLLM's CPU attention needs head_dim >= {_MIN_HEAD_DIM}.")
+    if num_attention_heads % num_key_value_heads != 0:
+        raise ValueError(
+            f"num_attention_heads={num_attention_heads} must be a multiple of num_key_value_heads={num_key_value_heads}."
+        )
+    if family == "qwen2" and hidden_size != num_attention_heads * head_dim:
+        raise ValueError(
+            f"family='qwen2' derives head_dim from hidden_size / num_attention_heads in vLLM, so hidden_size="
+            f"{hidden_size} must equal num_attention_heads * head_dim = {num_attention_heads * head_dim}."
+        )
+    tokenizer = build_char_tokenizer() if tokenizer is None else tokenizer
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens.")
+
+    config_class, model_class = _FAMILIES[family]
+    config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = model_class(config)
+    _fill_seeded(model, seed=seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def _fill_seeded(model: PreTrainedModel, *, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * noise
+        elif name.endswith("bias"):
+            values = 0.1 * noise
+        elif "embed_tokens" in name:
+            values = noise
+        elif name == "lm_head.weight":
+            values = _LM_HEAD_GAIN * noise / param.shape[-1] ** 0.5
+        else:
+            values = noise / param.shape[-1] ** 0.5
+        param.copy_(values)
+
+
+def save_tiny_target(folder: str | Path, family: str = "llama", **kwargs) -> Path:
+    """Build a tiny target (see `build_tiny_target`) and save model, tokenizer and generation config to `folder`.
+
+    The folder loads with `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`
+    and `vllm.LLM(model=folder)`. Returns the folder.
+    """
+    folder = Path(folder)
+    tokenizer = kwargs.pop("tokenizer", None) or build_char_tokenizer()
+    model = build_tiny_target(family, tokenizer=tokenizer, **kwargs)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder

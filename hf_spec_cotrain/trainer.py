@@ -1,0 +1,451 @@
+"""`SpecCoTrainGRPOTrainer`: TRL's GRPO step with an EAGLE-3 draft co-trained online on the policy's own taps.
+
+What the subclass adds, hook by hook:
+
+* ``_compute_loss``: hooks on the policy's decoder record the taps, the token embeddings and the final hidden
+  state of the policy's *own* training forward (no extra forward pass), detached.
+* ``training_step``: after the policy's backward, the draft's TTT loss on those taps is backpropagated into the
+  draft's own gradients (no gradient crosses between policy and draft).
+* ``_DraftUpdateCallback.on_step_end``: after the policy's optimizer step, the draft's optimizer steps (gradients
+  averaged across data-parallel ranks, clipped, skipped when non-finite) and the ``draft/*`` metrics are logged.
+* ``_generate_single_turn``: rollouts use `speculative_generate` with the draft of this very step, and fall back
+  to plain generation (logged) when the draft cannot be used.
+* ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints hold the draft (a vLLM-loadable folder)
+  and its optimizer and scheduler state.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import gather
+from transformers import TrainerCallback, get_scheduler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
+from trl import GRPOTrainer
+from trl.data_utils import apply_chat_template, is_conversational
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
+
+from .config import SpecCoTrainConfig
+from .draft import Eagle3DraftModel, count_tokens
+from .generation.speculative import speculative_generate
+from .hub import push_draft_folder, render_draft_card
+from .taps import TapRecorder, Taps
+from .ttt import ttt_loss
+
+
+logger = logging.get_logger(__name__)
+
+DRAFT_FOLDER = "draft"
+DRAFT_STATE_FILE = "draft_training_state.pt"
+
+
+class SpecCoTrainGRPOTrainer(GRPOTrainer):
+    r"""
+    [`~trl.GRPOTrainer`] that co-trains an EAGLE-3 draft head every step and rolls out with it.
+
+    Args:
+        model, reward_funcs, args, ...: as for [`~trl.GRPOTrainer`]; ``args`` is a [`SpecCoTrainConfig`].
+        draft_model ([`Eagle3DraftModel`], *optional*):
+            The draft to co-train. Default: loaded from ``args.draft_model_name_or_path``, or built from the
+            policy (``draft_num_layers``, ``draft_vocab_size`` from the training prompts' token counts,
+            ``aux_layer_ids``).
+    """
+
+    _tag_names = ["trl", "grpo", "hf_spec_cotrain", "eagle3"]
+
+    def __init__(self, model, reward_funcs=None, args: SpecCoTrainConfig | None = None, *, draft_model=None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = SpecCoTrainConfig(f"{name.split('/')[-1]}-SpecCoTrain")
+        if not isinstance(args, SpecCoTrainConfig):
+            raise ValueError(
+                f"`args` is a {type(args).__name__}; SpecCoTrainGRPOTrainer needs a SpecCoTrainConfig (it adds the "
+                "draft and speculative-rollout options to GRPOConfig)."
+            )
+        super().__init__(model, reward_funcs, args, **kwargs)
+        self.draft = self._build_draft(draft_model)
+        self.aux_layer_ids = self.draft.validate_target(self._policy().config)
+        self.draft_optimizer = torch.optim.AdamW(
+            self.draft.trainable_parameters(), lr=args.draft_learning_rate, weight_decay=args.draft_weight_decay
+        )
+        self.draft_scheduler = get_scheduler(
+            args.draft_lr_scheduler_type,
+            self.draft_optimizer,
+            num_warmup_steps=args.draft_warmup_steps,
+            num_training_steps=max(1, args.max_steps if args.max_steps > 0 else 10**9),
+        )
+        self.draft_skipped_steps = 0
+        self._draft_step_has_nonfinite = False
+        self._pending_taps: list[tuple[Taps, torch.Tensor, torch.Tensor]] = []
+        self._draft_micro_metrics: list[torch.Tensor] = []
+        self.acceptance_history: list[tuple[int, float]] = []
+        self.add_callback(_DraftUpdateCallback(self))
+
+    # ------------------------------------------------------------------ the draft
+
+    def _policy(self):
+        """The policy as a HF causal LM (PEFT and DDP wrappers removed)."""
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _build_draft(self, draft_model: Eagle3DraftModel | None) -> Eagle3DraftModel:
+        args = self.args
+        policy = self._policy()
+        # A private RNG stream: building the draft must not change the policy run's sampling.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            if draft_model is not None:
+                draft = draft_model
+            elif args.draft_model_name_or_path is not None:
+                draft = Eagle3DraftModel.from_pretrained(args.draft_model_name_or_path)
+            else:
+                counts = self._prompt_token_counts() if args.draft_vocab_size is not None else None
+                draft = Eagle3DraftModel.from_target(
+                    policy,
+                    num_layers=args.draft_num_layers,
+                    aux_layer_ids=args.aux_layer_ids,
+                    draft_vocab_size=args.draft_vocab_size,
+                    token_counts=counts,
+                )
+        draft.bind_target(policy)
+        draft.to(device=self.accelerator.device, dtype=torch.float32)  # fp32 master weights for a small head
+        draft.train()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for tensor in [*draft.parameters(), *draft.buffers()]:  # every rank starts from rank 0's draft
+                dist.broadcast(tensor.data, src=0)
+        return draft
+
+    def _prompt_token_counts(self) -> torch.Tensor:
+        """Token frequencies of the training prompts, which choose a reduced draft vocabulary."""
+        if self.train_dataset is None:
+            raise ValueError("`draft_vocab_size` chooses tokens by frequency in the training prompts: pass a dataset.")
+        texts = []
+        for example in self.train_dataset:
+            if is_conversational(example):
+                example = apply_chat_template(example, self.processing_class)
+            texts.append(example["prompt"])
+        vocab_size = self._policy().config.get_text_config().vocab_size
+        return count_tokens(self._tokenizer(texts, add_special_tokens=False)["input_ids"], vocab_size)
+
+    # ------------------------------------------------------------------ taps from the training forward
+
+    def _compute_loss(self, model, inputs):
+        if not self.model.training:
+            return super()._compute_loss(model, inputs)
+        with (
+            TapRecorder(model, self.aux_layer_ids, record_embeddings=True, record_final_hidden=True) as recorder,
+            recorder.capture(),
+        ):
+            loss = super()._compute_loss(model, inputs)
+        taps = recorder.pop_all()
+        if len(taps) != 1:
+            raise RuntimeError(f"Expected one recorded policy forward per micro-batch, got {len(taps)}.")
+        completion_mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            completion_mask = completion_mask * inputs["tool_mask"]
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        # The draft learns to predict the tokens the policy generated (the ones rollouts will draft).
+        loss_mask = torch.cat([torch.zeros_like(inputs["prompt_mask"]), completion_mask], dim=1)
+        self._pending_taps.append((taps[0], attention_mask, loss_mask))
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        while self._pending_taps:
+            self._draft_micro_step(*self._pending_taps.pop(0))
+        return loss
+
+    def _teacher_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The policy's logits over the draft vocabulary (unscaled: rollouts apply the temperature to both)."""
+        weight = self._policy().get_output_embeddings().weight
+        if hasattr(weight, "full_tensor"):  # FSDP2 shards the head: gather it for the teacher
+            weight = weight.full_tensor()
+        rows = weight.detach()[self.draft.draft_to_target_ids.to(weight.device)]
+        return final_hidden.to(rows.dtype) @ rows.T
+
+    def _draft_micro_step(self, taps: Taps, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        args = self.args
+        with torch.no_grad():
+            teacher = self._teacher_logits(taps.final_hidden)
+        out = ttt_loss(
+            self.draft,
+            aux_hidden_states=taps.aux_hidden_states,
+            input_embeds=taps.embeddings,
+            teacher_logits=teacher,
+            loss_mask=loss_mask.bool(),
+            attention_mask=attention_mask.bool(),
+            ttt_steps=args.ttt_steps,
+            step_weight_decay=args.ttt_step_weight_decay,
+        )
+        finite = bool(torch.isfinite(out.loss))
+        if finite:
+            scale = self.current_gradient_accumulation_steps * args.draft_update_interval
+            (out.loss / scale).backward()
+        else:
+            self._draft_step_has_nonfinite = True
+        self._draft_micro_metrics.append(
+            torch.cat(
+                [
+                    out.loss.detach().float().view(1),
+                    out.step_losses.float(),
+                    out.step_accuracies.float(),
+                    out.step_counts.float(),
+                ]
+            )
+        )
+
+    def _draft_update(self) -> None:
+        """One draft optimizer step (called after the policy's): average, clip, skip if non-finite, step."""
+        args = self.args
+        params = self.draft.trainable_parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        nonfinite = torch.tensor(float(self._draft_step_has_nonfinite), device=self.accelerator.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            world = dist.get_world_size()
+            for grad in grads:
+                dist.all_reduce(grad)
+                grad.div_(world)
+            dist.all_reduce(nonfinite)
+        max_norm = args.draft_max_grad_norm if args.draft_max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if grads else torch.zeros(())
+        if nonfinite.item() > 0 or not torch.isfinite(grad_norm):
+            self.draft_skipped_steps += 1
+            logger.warning(
+                f"Step {self.state.global_step}: non-finite draft loss or gradient; the draft update is skipped "
+                "(the policy is unaffected)."
+            )
+        else:
+            self.draft_optimizer.step()
+            self.draft_scheduler.step()
+        self.draft_optimizer.zero_grad(set_to_none=True)
+        self._draft_step_has_nonfinite = False
+        self._log_draft_metrics(grad_norm)
+
+    def _log_draft_metrics(self, grad_norm: torch.Tensor) -> None:
+        if not self._draft_micro_metrics:
+            return
+        k = self.args.ttt_steps
+        local = torch.stack(self._draft_micro_metrics).to(self.accelerator.device)
+        self._draft_micro_metrics.clear()
+        stacked = gather(local)  # [num_micro * world, 1 + 3K]
+        losses, step_losses, step_acc, counts = (
+            stacked[:, 0],
+            stacked[:, 1 : 1 + k],
+            stacked[:, 1 + k : 1 + 2 * k],
+            stacked[:, 1 + 2 * k :],
+        )
+        metrics = self._metrics["train"]
+        finite = torch.isfinite(losses)
+        metrics["draft/loss"].append(losses[finite].mean().item() if finite.any() else float("nan"))
+        total = counts.sum(0).clamp(min=1)
+        for step in range(k):
+            metrics[f"draft/loss_step_{step}"].append(
+                ((step_losses[:, step] * counts[:, step]).nansum() / total[step]).item()
+            )
+            metrics[f"draft/accuracy_step_{step}"].append(
+                ((step_acc[:, step] * counts[:, step]).sum() / total[step]).item()
+            )
+        metrics["draft/grad_norm"].append(float(grad_norm))
+        metrics["draft/lr"].append(self.draft_scheduler.get_last_lr()[0])
+        metrics["draft/skipped_steps"].append(float(self.draft_skipped_steps))
+
+    # ------------------------------------------------------------------ speculative rollouts
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        plain = (
+            not self.args.speculative_decoding
+            or self.use_vllm
+            or self.use_transformers_continuous_batching
+            or images is not None
+            or multimodal_fields
+        )
+        if plain:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        try:
+            return self._speculative_single_turn(prompt_ids)
+        except Exception as err:  # the run goes on with plain generation; nothing is lost
+            logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")
+            self._metrics["train" if self.model.training else "eval"]["spec/fallback"].append(1.0)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+
+    def _speculative_single_turn(self, prompt_ids):
+        device = self.accelerator.device
+        padded_ids = pad(
+            [torch.tensor(ids) for ids in prompt_ids],
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        attention_mask = pad(
+            [torch.ones(len(ids), dtype=torch.long) for ids in prompt_ids],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        # Rollout randomness from (seed, step, rank) rather than the global RNG: a resumed run samples exactly
+        # the rollouts the uninterrupted run would have.
+        mode_offset = 0 if self.model.training else 1
+        generator = torch.Generator(device=device).manual_seed(
+            hash((self.args.seed, self.state.global_step, self.accelerator.process_index, mode_offset)) % 2**63
+        )
+        started = time.perf_counter()
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            out = speculative_generate(
+                unwrapped_model,
+                self.draft,
+                padded_ids,
+                attention_mask,
+                max_new_tokens=self.max_completion_length,
+                num_speculative_tokens=self.args.num_speculative_tokens,
+                do_sample=True,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k or 0,
+                draft_sampling=self.args.draft_sampling,
+                eos_token_id=self.eos_token_ids,
+                pad_token_id=self._tokenizer.pad_token_id,
+                generator=generator,
+            )
+        elapsed = time.perf_counter() - started
+        completion_ids = out.sequences[:, padded_ids.shape[1] :]
+        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
+        # Keep tokens up to and including the first EOS, as TRL does after generate(); only padding follows it.
+        keep = (is_eos.cumsum(1) - is_eos.int()) == 0
+        completions = [row[mask].tolist() for row, mask in zip(completion_ids.cpu(), keep.cpu())]
+        self._log_spec_metrics(out, sum(map(len, completions)), elapsed)
+        return completions, None
+
+    def _log_spec_metrics(self, out, num_tokens: int, elapsed: float) -> None:
+        mode = "train" if self.model.training else "eval"
+        k = self.args.num_speculative_tokens
+        local = torch.tensor(
+            [
+                out.num_drafts,
+                out.num_accepted_tokens,
+                num_tokens,
+                elapsed,
+                *[float(a) for a in out.accepted_per_position][:k],
+            ],
+            device=self.accelerator.device,
+        )
+        total = gather(local.unsqueeze(0)).sum(0)
+        drafts = total[0].clamp(min=1)
+        metrics = self._metrics[mode]
+        acceptance = 1.0 + (total[1] / drafts).item()
+        metrics["spec/acceptance_length"].append(acceptance)
+        for position in range(k):
+            metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
+        metrics["spec/tokens_per_second"].append((total[2] / (total[3] / self.accelerator.num_processes)).item())
+        if mode == "train":
+            self.acceptance_history.append((self.state.global_step, acceptance))
+
+    # ------------------------------------------------------------------ checkpoints, saving, the Hub
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.save_draft and self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            self.save_draft(folder / DRAFT_FOLDER)
+            torch.save(
+                {
+                    "optimizer": self.draft_optimizer.state_dict(),
+                    "scheduler": self.draft_scheduler.state_dict(),
+                    "skipped_steps": self.draft_skipped_steps,
+                    "acceptance_history": self.acceptance_history,
+                },
+                folder / DRAFT_STATE_FILE,
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not (Path(checkpoint) / DRAFT_FOLDER).is_dir():
+            return
+        loaded = Eagle3DraftModel.from_pretrained(Path(checkpoint) / DRAFT_FOLDER)
+        self.draft.load_state_dict(loaded.state_dict())
+        state_file = Path(checkpoint) / DRAFT_STATE_FILE
+        if state_file.exists():
+            state = torch.load(state_file, map_location="cpu", weights_only=True)
+            self.draft_optimizer.load_state_dict(state["optimizer"])
+            self.draft_scheduler.load_state_dict(state["scheduler"])
+            self.draft_skipped_steps = state["skipped_steps"]
+            self.acceptance_history = [tuple(item) for item in state["acceptance_history"]]
+
+    def save_draft(self, folder: str | os.PathLike, *, repo_id: str | None = None) -> Path:
+        """Write the draft as a vLLM-loadable folder, with its model card (README.md)."""
+        folder = Path(folder)
+        self.draft.save_pretrained(folder)
+        card = render_draft_card(
+            self.draft,
+            target_model=self._target_name(),
+            repo_id=repo_id or self._draft_repo_id(),
+            training_steps=self.state.global_step,
+            acceptance_history=self.acceptance_history,
+            ttt_steps=self.args.ttt_steps,
+            step_weight_decay=self.args.ttt_step_weight_decay,
+            num_speculative_tokens=self.args.num_speculative_tokens,
+        )
+        (folder / "README.md").write_text(card, encoding="utf-8")
+        return folder
+
+    def push_draft_to_hub(self, repo_id: str | None = None, *, private: bool | None = None):
+        """Save the draft with its card and upload that folder to the Hub; returns the commit info."""
+        repo_id = repo_id or self._draft_repo_id()
+        folder = self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER, repo_id=repo_id)
+        return push_draft_folder(
+            folder,
+            repo_id,
+            token=self.args.hub_token,
+            private=private,
+            commit_message=f"Co-trained EAGLE-3 draft, step {self.state.global_step}",
+        )
+
+    def _target_name(self) -> str:
+        if self.args.hub_model_id:
+            return self.args.hub_model_id
+        return self._policy().config._name_or_path or "policy"
+
+    def _draft_repo_id(self) -> str:
+        if self.args.draft_hub_model_id:
+            return self.args.draft_hub_model_id
+        base = self.args.hub_model_id or Path(self.args.output_dir).name
+        return f"{base}-eagle3"
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        if self.args.save_draft and self.args.should_save:
+            self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
+            if self.args.push_draft_to_hub:
+                self.push_draft_to_hub()
+        return output
+
+
+class _DraftUpdateCallback(TrainerCallback):
+    """Steps the draft right after the policy's optimizer step, before logging and saving."""
+
+    def __init__(self, trainer: SpecCoTrainGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.trainer.args.draft_update_interval == 0:
+            self.trainer._draft_update()
+        return control
+
+
+__all__ = ["SpecCoTrainGRPOTrainer"]

@@ -1,0 +1,327 @@
+"""Offline warm start: train a draft for a frozen target on a text or chat dataset before RL begins.
+
+The target's hidden states are computed on the fly by hooks on its own forward (no feature files), so a
+warm start needs nothing but the target, its tokenizer and a `datasets.Dataset`.
+"""
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+
+from .draft import Eagle3DraftModel, count_tokens
+from .taps import TapRecorder
+from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
+
+
+@dataclass
+class DraftTrainingConfig:
+    r"""
+    Configuration of [`train_draft`], the offline warm start of an EAGLE-3 draft.
+
+    Parameters that control the draft:
+        num_layers, aux_layer_ids, draft_vocab_size
+    Parameters that control the objective:
+        ttt_steps, step_weight_decay, max_length
+    Parameters that control optimisation:
+        learning_rate, weight_decay, max_grad_norm, warmup_steps, lr_scheduler_type, batch_size, max_steps,
+        num_epochs, max_time_s, seed
+    Parameters that control evaluation and output:
+        eval_fraction, max_eval_samples, eval_steps, logging_steps, output_dir
+    """
+
+    output_dir: str | None = field(default=None, metadata={"help": "Folder the draft checkpoint is saved to."})
+    num_layers: int = field(default=1, metadata={"help": "Decoder layers of a new draft."})
+    aux_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Tapped target layers (inputs of these layers). Default: (2, L//2, L-3)."}
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Draft vocabulary size: the most frequent tokens of the training data. Default: all."},
+    )
+    ttt_steps: int = field(default=3, metadata={"help": "Unrolled training-time-test steps K."})
+    step_weight_decay: float = field(
+        default=DEFAULT_STEP_WEIGHT_DECAY, metadata={"help": "Loss weight of step d is step_weight_decay**d."}
+    )
+    max_length: int = field(default=512, metadata={"help": "Tokens per training sequence (longer texts are cut)."})
+    learning_rate: float = field(default=5e-4, metadata={"help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
+    warmup_steps: int = field(default=20, metadata={"help": "Linear warm-up steps."})
+    lr_scheduler_type: str = field(
+        default="constant_with_warmup", metadata={"help": "A transformers scheduler name, e.g. 'cosine'."}
+    )
+    batch_size: int = field(default=8, metadata={"help": "Sequences per optimisation step."})
+    max_steps: int = field(default=-1, metadata={"help": "Stop after this many steps (-1: use num_epochs)."})
+    num_epochs: float = field(default=1.0, metadata={"help": "Passes over the training split when max_steps=-1."})
+    max_time_s: float | None = field(default=None, metadata={"help": "Stop after this many seconds of training."})
+    eval_fraction: float = field(default=0.05, metadata={"help": "Fraction of the dataset held out."})
+    max_eval_samples: int = field(default=64, metadata={"help": "At most this many held-out sequences."})
+    eval_steps: int = field(default=100, metadata={"help": "Evaluate every this many steps (and at the end)."})
+    logging_steps: int = field(default=10, metadata={"help": "Refresh the progress bar's metrics this often."})
+    seed: int = field(default=0, metadata={"help": "Seed of the split, the shuffling and the draft's init."})
+
+    def __post_init__(self):
+        positive = {
+            "num_layers": self.num_layers,
+            "ttt_steps": self.ttt_steps,
+            "batch_size": self.batch_size,
+            "eval_steps": self.eval_steps,
+            "logging_steps": self.logging_steps,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"`{name}`={value} is not allowed: it must be an int >= 1.")
+        if self.max_length < 2:
+            raise ValueError(f"`max_length`={self.max_length} is not allowed: a training sequence needs >= 2 tokens.")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"`eval_fraction`={self.eval_fraction} is not allowed: it must be in [0, 1).")
+        if self.learning_rate <= 0:
+            raise ValueError(f"`learning_rate`={self.learning_rate} is not allowed: it must be > 0.")
+
+
+@dataclass
+class DraftTrainingResult:
+    draft: Eagle3DraftModel
+    history: list[dict] = field(default_factory=list)  # one dict per evaluation
+    steps: int = 0
+    train_seconds: float = 0.0
+
+
+def tokenize_for_draft(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    text_column: str = "text",
+    messages_column: str = "messages",
+) -> list[list[int]]:
+    """Token ids of every example, cut into sequences of at most ``max_length`` (shorter than 2 dropped).
+
+    A ``messages`` column goes through the tokenizer's chat template; otherwise ``text_column`` is used.
+    """
+    columns = dataset.column_names
+    if messages_column in columns:
+        encode = lambda example: tokenizer.apply_chat_template(  # noqa: E731
+            example[messages_column], tokenize=True, return_dict=False
+        )
+    elif text_column in columns:
+        encode = lambda example: tokenizer(example[text_column], add_special_tokens=True)["input_ids"]  # noqa: E731
+    else:
+        raise ValueError(
+            f"The dataset has columns {columns}; expected a text column {text_column!r} or a chat column "
+            f"{messages_column!r} (set `text_column` / `messages_column`)."
+        )
+    sequences = []
+    for example in dataset:
+        ids = list(encode(example))
+        sequences.extend(ids[start : start + max_length] for start in range(0, len(ids), max_length))
+    return [ids for ids in sequences if len(ids) >= 2]
+
+
+def _batches(sequences: list[list[int]], batch_size: int, pad_id: int, generator: torch.Generator | None):
+    order = torch.randperm(len(sequences), generator=generator) if generator is not None else range(len(sequences))
+    for start in range(0, len(sequences), batch_size):
+        rows = [sequences[int(i)] for i in order[start : start + batch_size]]
+        length = max(map(len, rows))
+        input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(len(rows), length, dtype=torch.bool)
+        for row, ids in enumerate(rows):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention_mask[row, : len(ids)] = True
+        yield input_ids, attention_mask
+
+
+def draft_loss_on_batch(
+    target: PreTrainedModel,
+    draft: Eagle3DraftModel,
+    recorder: TapRecorder,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    ttt_steps: int,
+    step_weight_decay: float,
+) -> TTTOutput:
+    """Run the frozen target once (taps and teacher by hooks) and return the draft's TTT loss on the batch."""
+    device = target.get_input_embeddings().weight.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    with torch.no_grad(), recorder.capture():
+        recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd rows
+    taps = recorder.pop()
+    with torch.no_grad():
+        head = target.get_output_embeddings().weight[draft.draft_to_target_ids]
+        teacher_logits = taps.final_hidden @ head.T
+    return ttt_loss(
+        draft,
+        aux_hidden_states=taps.aux_hidden_states,
+        input_embeds=taps.embeddings,
+        teacher_logits=teacher_logits,
+        loss_mask=attention_mask,
+        attention_mask=attention_mask,
+        ttt_steps=ttt_steps,
+        step_weight_decay=step_weight_decay,
+    )
+
+
+def evaluate_draft(
+    target: PreTrainedModel,
+    draft: Eagle3DraftModel,
+    sequences: list[list[int]],
+    *,
+    batch_size: int,
+    pad_id: int,
+    ttt_steps: int,
+    step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY,
+) -> dict[str, float]:
+    """Held-out per-step loss and top-1 agreement with the target (count-weighted over all batches)."""
+    aux_ids = draft.validate_target(target.config)
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64)  # loss*count, accuracy*count, count
+    was_training = draft.training
+    draft.eval()
+    with TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True) as recorder:
+        for input_ids, attention_mask in _batches(sequences, batch_size, pad_id, generator=None):
+            with torch.no_grad():
+                out = draft_loss_on_batch(
+                    target,
+                    draft,
+                    recorder,
+                    input_ids,
+                    attention_mask,
+                    ttt_steps=ttt_steps,
+                    step_weight_decay=step_weight_decay,
+                )
+            counts = out.step_counts.double().cpu()
+            sums += torch.stack(
+                [out.step_losses.double().cpu() * counts, out.step_accuracies.double().cpu() * counts, counts]
+            )
+    draft.train(was_training)
+    counts = sums[2].clamp(min=1)
+    metrics = {}
+    for step in range(ttt_steps):
+        metrics[f"loss_step_{step}"] = float(sums[0, step] / counts[step])
+        metrics[f"accuracy_step_{step}"] = float(sums[1, step] / counts[step])
+    return metrics
+
+
+def train_draft(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    config: DraftTrainingConfig | None = None,
+    *,
+    draft: Eagle3DraftModel | None = None,
+    text_column: str = "text",
+    messages_column: str = "messages",
+    progress: bool = True,
+) -> DraftTrainingResult:
+    """Warm-start ``draft`` (or a new one built from ``target``) on ``dataset``; save it to ``output_dir``.
+
+    The target is frozen and only runs forward, once per batch; its taps, embeddings and final hidden state
+    come from hooks on that forward.
+    """
+    config = config or DraftTrainingConfig()
+    torch.manual_seed(config.seed)
+    target.eval()
+    target.requires_grad_(False)
+    sequences = tokenize_for_draft(
+        dataset, tokenizer, max_length=config.max_length, text_column=text_column, messages_column=messages_column
+    )
+    if not sequences:
+        raise ValueError("The dataset gave no sequence of 2 or more tokens to train on.")
+    split_gen = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(len(sequences), generator=split_gen).tolist()
+    num_eval = min(config.max_eval_samples, int(len(sequences) * config.eval_fraction))
+    eval_set = [sequences[i] for i in order[:num_eval]]
+    train_set = [sequences[i] for i in order[num_eval:]]
+
+    if draft is None:
+        counts = count_tokens(train_set, target.config.get_text_config().vocab_size)
+        draft = Eagle3DraftModel.from_target(
+            target,
+            num_layers=config.num_layers,
+            aux_layer_ids=config.aux_layer_ids,
+            draft_vocab_size=config.draft_vocab_size,
+            token_counts=counts,
+        )
+    aux_ids = draft.validate_target(target.config)
+    draft.bind_target(target)
+    draft.train()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
+    total_steps = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_epochs * steps_per_epoch))
+    optimizer = torch.optim.AdamW(
+        draft.trainable_parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+    )
+    scheduler = get_scheduler(
+        config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps
+    )
+    result = DraftTrainingResult(draft=draft)
+    eval_kwargs = dict(
+        batch_size=config.batch_size,
+        pad_id=pad_id,
+        ttt_steps=config.ttt_steps,
+        step_weight_decay=config.step_weight_decay,
+    )
+
+    def evaluate(step):
+        if eval_set:
+            metrics = {"step": step, **evaluate_draft(target, draft, eval_set, **eval_kwargs)}
+            result.history.append(metrics)
+            return metrics
+        return {}
+
+    started = time.perf_counter()
+    bar = tqdm(total=total_steps, desc="train-draft", disable=not progress, dynamic_ncols=True)
+    step = 0
+    with TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True) as recorder:
+        for input_ids, attention_mask in _epochs(train_set, config, pad_id):
+            out = draft_loss_on_batch(
+                target,
+                draft,
+                recorder,
+                input_ids,
+                attention_mask,
+                ttt_steps=config.ttt_steps,
+                step_weight_decay=config.step_weight_decay,
+            )
+            out.loss.backward()
+            if config.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), config.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update()
+            if step % config.logging_steps == 0:
+                bar.set_postfix(loss=f"{out.loss.item():.3f}", acc0=f"{out.step_accuracies[0].item():.3f}")
+            if step % config.eval_steps == 0 and step < total_steps:
+                metrics = evaluate(step)
+                if metrics:
+                    bar.write(
+                        f"step {step}: held-out "
+                        + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.startswith("accuracy"))
+                    )
+            out_of_time = config.max_time_s is not None and time.perf_counter() - started > config.max_time_s
+            if step >= total_steps or out_of_time:
+                break
+    bar.close()
+    result.steps = step
+    result.train_seconds = time.perf_counter() - started
+    evaluate(step)
+    if config.output_dir:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        draft.save_pretrained(config.output_dir)
+    return result
+
+
+def _epochs(train_set: list[list[int]], config: DraftTrainingConfig, pad_id: int) -> Iterator:
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    while True:
+        yield from _batches(train_set, config.batch_size, pad_id, generator)

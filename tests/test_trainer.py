@@ -1,0 +1,248 @@
+"""SpecCoTrainGRPOTrainer: co-training inside TRL's GRPO step, on tiny CPU models."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+
+
+PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
+
+
+def upper_reward(completions, **kwargs):
+    return [sum(c.isupper() for c in text) / max(len(text), 1) for text in completions]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return str(
+        save_tiny_target(
+            tmp_path_factory.mktemp("policy"),
+            "llama",
+            num_layers=8,
+            hidden_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+        )
+    )
+
+
+def _dataset():
+    return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def _grpo_kwargs(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        temperature=1.0,
+        seed=7,
+        shuffle_dataset=False,
+    )
+    base.update(overrides)
+    return base
+
+
+def _config(tmp_path, **overrides):
+    spec = {"draft_learning_rate": 1e-3, "draft_warmup_steps": 0}
+    spec.update({k: overrides.pop(k) for k in list(overrides) if k not in GRPOConfig.__dataclass_fields__})
+    return SpecCoTrainConfig(**_grpo_kwargs(tmp_path, **overrides), **spec)
+
+
+def _trainer(policy_dir, config, **kwargs):
+    return SpecCoTrainGRPOTrainer(
+        model=policy_dir,
+        reward_funcs=upper_reward,
+        args=config,
+        train_dataset=_dataset(),
+        processing_class=build_char_tokenizer(),
+        **kwargs,
+    )
+
+
+def _state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_cotraining_updates_draft_and_logs_metrics(policy_dir, tmp_path):
+    trainer = _trainer(policy_dir, _config(tmp_path, draft_vocab_size=60))
+    draft_before, policy_before = _state(trainer.draft), _state(trainer.model)
+    trainer.train()
+    changed = [k for k, v in _state(trainer.draft).items() if not torch.equal(v, draft_before[k])]
+    assert "fc.weight" in changed and "midlayer.self_attn.q_proj.weight" in changed
+    assert any(not torch.equal(v, policy_before[k]) for k, v in _state(trainer.model).items())
+    logs = [entry for entry in trainer.state.log_history if "draft/loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        for key in [
+            "draft/loss",
+            "draft/loss_step_0",
+            "draft/loss_step_2",
+            "draft/accuracy_step_1",
+            "draft/grad_norm",
+            "draft/lr",
+            "spec/acceptance_length",
+            "spec/accepted_per_position_0",
+            "spec/tokens_per_second",
+        ]:
+            assert key in entry, key
+        assert entry["spec/acceptance_length"] >= 1.0
+        assert 0.0 <= entry["draft/accuracy_step_0"] <= 1.0
+    # the final draft is saved as a vLLM-loadable folder with its card
+    folder = Path(tmp_path, "draft")
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert "Acceptance during RL" in (folder / "README.md").read_text()
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.count = 0
+        model.get_decoder().register_forward_pre_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+
+def test_no_extra_target_forward_and_policy_bitwise_unchanged(policy_dir, tmp_path):
+    """Same rollouts (plain generation), same seed: the policy ends bitwise equal with co-training on and off."""
+    # Each trainer seeds the RNG when it is built: build and train one after the other.
+    spec = _trainer(policy_dir, _config(tmp_path / "on", speculative_decoding=False))
+    spec_counter = _ForwardCounter(spec.model)
+    spec.train()
+    plain = GRPOTrainer(
+        model=policy_dir,
+        reward_funcs=upper_reward,
+        args=GRPOConfig(**_grpo_kwargs(tmp_path / "off")),
+        train_dataset=_dataset(),
+        processing_class=build_char_tokenizer(),
+    )
+    plain_counter = _ForwardCounter(plain.model)
+    plain.train()
+    counters = [spec_counter, plain_counter]
+    assert counters[0].count == counters[1].count > 0
+    spec_state, plain_state = _state(spec.model), _state(plain.model)
+    assert spec_state.keys() == plain_state.keys()
+    for name, tensor in spec_state.items():
+        assert torch.equal(tensor, plain_state[name]), name
+
+
+def test_resume_from_checkpoint_gives_identical_policy_and_draft(policy_dir, tmp_path):
+    # A constant schedule: a linear decay would depend on max_steps, which differs between the runs.
+    constant = dict(lr_scheduler_type="constant")
+    straight = _trainer(policy_dir, _config(tmp_path / "straight", max_steps=4, **constant))
+    straight.train()
+    first = _trainer(
+        policy_dir, _config(tmp_path / "resumed", max_steps=2, save_strategy="steps", save_steps=2, **constant)
+    )
+    first.train()
+    checkpoint = tmp_path / "resumed" / "checkpoint-2"
+    assert (checkpoint / "draft" / "model.safetensors").exists()
+    assert (checkpoint / "draft_training_state.pt").exists()
+    resumed = _trainer(
+        policy_dir, _config(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2, **constant)
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for name, tensor in _state(straight.model).items():
+        torch.testing.assert_close(_state(resumed.model)[name], tensor, rtol=0, atol=0, msg=name)
+    for name, tensor in _state(straight.draft).items():
+        torch.testing.assert_close(_state(resumed.draft)[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_nonfinite_draft_loss_skips_the_draft_step_only(policy_dir, tmp_path, monkeypatch):
+    trainer = _trainer(policy_dir, _config(tmp_path, max_steps=2))
+    original = trainer._teacher_logits
+
+    def poisoned(final_hidden):
+        logits = original(final_hidden)
+        return logits.fill_(float("nan")) if trainer.state.global_step == 0 else logits
+
+    monkeypatch.setattr(trainer, "_teacher_logits", poisoned)
+    draft_before = _state(trainer.draft)
+    policy_before = _state(trainer.model)
+    trainer.train()
+    assert trainer.draft_skipped_steps == 1
+    logs = [e for e in trainer.state.log_history if "draft/skipped_steps" in e]
+    assert [e["draft/skipped_steps"] for e in logs] == [1.0, 1.0]
+    assert any(not torch.equal(v, draft_before[k]) for k, v in _state(trainer.draft).items())  # step 2 trained
+    assert all(torch.isfinite(v).all() for v in _state(trainer.draft).values() if v.is_floating_point())
+    assert any(not torch.equal(v, policy_before[k]) for k, v in _state(trainer.model).items())
+
+
+def test_failed_speculative_rollout_falls_back_to_plain_generation(policy_dir, tmp_path, monkeypatch, caplog):
+    trainer = _trainer(policy_dir, _config(tmp_path, max_steps=1))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("draft exploded")
+
+    monkeypatch.setattr("hf_spec_cotrain.trainer.speculative_generate", broken)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert any(entry.get("spec/fallback") == 1.0 for entry in trainer.state.log_history)
+
+
+def test_push_draft_to_hub_hands_the_saved_folder_to_huggingface_hub(policy_dir, tmp_path, monkeypatch):
+    calls = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls["token"] = token
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls["repo"] = repo_id
+            return type("Repo", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, commit_message, revision=None, create_pr=False):
+            calls["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            calls["card"] = (Path(folder_path) / "README.md").read_text()
+            return "commit"
+
+    monkeypatch.setattr("hf_spec_cotrain.hub.HfApi", FakeApi)
+    trainer = _trainer(
+        policy_dir,
+        _config(
+            tmp_path, max_steps=2, push_draft_to_hub=True, draft_hub_model_id="me/tiny-eagle3", draft_vocab_size=60
+        ),
+    )
+    trainer.train()
+    assert calls["repo"] == "me/tiny-eagle3"
+    assert calls["files"] == ["README.md", "config.json", "model.safetensors"]
+    card = calls["card"]
+    assert "me/tiny-eagle3" in card and "vllm serve" in card and "sglang" in card
+    assert "[2, 4, 5]" in card  # tap ids
+    assert "60 of" in card  # draft vocabulary
+    assert "| 1 |" in card and "| 2 |" in card or "| 0 |" in card  # the acceptance trajectory
+    assert "Training-time-test steps | 3" in card
+
+
+def test_config_rejects_bad_values(tmp_path):
+    with pytest.raises(ValueError, match="ttt_steps`=0"):
+        _config(tmp_path, ttt_steps=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens`=0"):
+        _config(tmp_path, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="draft_sampling`='eager'"):
+        _config(tmp_path, draft_sampling="eager")
+    with pytest.raises(ValueError, match="draft_model_name_or_path"):
+        _config(tmp_path, draft_model_name_or_path="x", draft_vocab_size=10)
+    with pytest.raises(ValueError, match="draft_learning_rate"):
+        _config(tmp_path, draft_learning_rate=0.0)
+    with pytest.raises(ValueError, match="repetition_penalty=1.2"):
+        _config(tmp_path, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="SpecCoTrainConfig"):
+        SpecCoTrainGRPOTrainer(model="x", reward_funcs=upper_reward, args=GRPOConfig(**_grpo_kwargs(tmp_path)))

