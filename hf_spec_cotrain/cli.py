@@ -78,8 +78,118 @@ def train_draft_main(argv: list[str]) -> None:
     print(f"train-draft: draft saved to {config.output_dir}")
 
 
+@dataclass
+class VLLMServeScriptArguments:
+    r"""The policy, its EAGLE-3 draft and the listening address, for ``hf-spec-cotrain vllm-serve``."""
+
+    model: str = field(metadata={"help": "Policy: a local folder or a Hub id that vLLM can load."})
+    draft: str | None = field(
+        default=None, metadata={"help": "Folder of the EAGLE-3 draft checkpoint; without it, no speculation."}
+    )
+    num_speculative_tokens: int = field(default=3, metadata={"help": "Tokens the draft proposes per step."})
+    draft_sample_method: str | None = field(
+        default=None,
+        metadata={"help": "vLLM's draft_sample_method: 'greedy' (the draft's argmax) or 'probabilistic'."},
+    )
+    rejection_sample_method: str | None = field(
+        default=None, metadata={"help": "vLLM's rejection_sample_method, e.g. 'standard'."}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (the API has no authentication)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    dtype: str | None = field(
+        default=None, metadata={"help": "vLLM dtype (default: float32 on CPU, vLLM's 'auto' on GPU)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Engine seed."})
+    max_model_len: int | None = field(default=None, metadata={"help": "vLLM max_model_len (prompt + completion)."})
+    gpu_memory_utilization: float | None = field(
+        default=None, metadata={"help": "Fraction of GPU memory vLLM may use (GPU only)."}
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
+    llm_kwargs: str | None = field(
+        default=None,
+        metadata={"help": "JSON object of further vllm.LLM arguments, e.g. '{\"block_size\": 32}'."},
+    )
+    verify_syncs: bool = field(
+        default=True,
+        metadata={"help": "Read every weight back after an update and roll back on any difference."},
+    )
+    transaction_timeout: float = field(
+        default=600.0, metadata={"help": "Seconds without activity after which an open weight update is discarded."}
+    )
+    max_chunk_bytes: int = field(default=2**31, metadata={"help": "Largest weight-update chunk accepted (bytes)."})
+    log_level: str = field(default="info", metadata={"help": "Log level: critical, error, warning, info or debug."})
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def vllm_serve_parser():
+    from trl import TrlParser
+
+    description = "Serve speculative rollouts of a policy and its EAGLE-3 draft, with transactional weight updates."
+    return TrlParser((VLLMServeScriptArguments,), prog="hf-spec-cotrain vllm-serve", description=description)
+
+
+def vllm_serve_engine_kwargs(args: VLLMServeScriptArguments) -> dict:
+    """`VLLMRolloutEngine` arguments for `args`; a ValueError names any bad or conflicting option."""
+    import json
+
+    llm_kwargs = args.llm_kwargs if args.llm_kwargs is not None else {}
+    if isinstance(llm_kwargs, str):
+        try:
+            llm_kwargs = json.loads(llm_kwargs)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"`--llm_kwargs {args.llm_kwargs}` is not valid JSON: {error}.") from error
+    if not isinstance(llm_kwargs, dict):
+        raise ValueError(f"`--llm_kwargs` must be a JSON object of vllm.LLM arguments, got {llm_kwargs!r}.")
+    options = {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "trust_remote_code": args.trust_remote_code or None,
+    }
+    options = {key: value for key, value in options.items() if value is not None}
+    reserved = {"model", "seed", "speculative_config", *options}
+    clashes = sorted(reserved & llm_kwargs.keys())
+    if clashes:
+        raise ValueError(
+            f"`--llm_kwargs` sets {', '.join(clashes)}, which this command sets itself: use the dedicated options "
+            "(--dtype, --max_model_len, ...; the draft through --draft) instead."
+        )
+    return {
+        "model": args.model,
+        "draft_model": args.draft,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "draft_sample_method": args.draft_sample_method,
+        "rejection_sample_method": args.rejection_sample_method,
+        "seed": args.seed,
+        "verify_syncs": args.verify_syncs,
+        **options,
+        **llm_kwargs,
+    }
+
+
+def vllm_serve_main(argv: list[str]) -> None:
+    from .generation.server import serve
+
+    (args,) = vllm_serve_parser().parse_args_and_config(argv)
+    if args.log_level not in _LOG_LEVELS:
+        raise ValueError(f"`--log_level {args.log_level}` is not allowed: choose one of {', '.join(_LOG_LEVELS)}.")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"`--port {args.port}` is not a TCP port (0-65535).")
+    serve(
+        engine_kwargs=vllm_serve_engine_kwargs(args),
+        host=args.host,
+        port=args.port,
+        transaction_timeout=args.transaction_timeout,
+        max_chunk_bytes=args.max_chunk_bytes,
+        log_level=args.log_level,
+    )
+
+
 COMMANDS = {
     "train-draft": (train_draft_main, "Warm-start an EAGLE-3 draft for a target on a dataset."),
+    "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + EAGLE-3 draft) with weight updates."),
 }
 
 

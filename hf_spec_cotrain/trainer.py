@@ -16,11 +16,12 @@ What the subclass adds, hook by hook:
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import gather
+from accelerate.utils import gather, is_peft_model
 from transformers import TrainerCallback, get_scheduler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -66,7 +67,15 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 f"`args` is a {type(args).__name__}; SpecCoTrainGRPOTrainer needs a SpecCoTrainConfig (it adds the "
                 "draft and speculative-rollout options to GRPOConfig)."
             )
-        super().__init__(model, reward_funcs, args, **kwargs)
+        # With speculative vLLM rollouts the package owns the engine (it also holds the draft): keep TRL from
+        # building a plain one first, since two engines must never coexist.
+        speculative_vllm = args.use_vllm and args.speculative_decoding
+        if speculative_vllm:
+            args.use_vllm = False
+        try:
+            super().__init__(model, reward_funcs, args, **kwargs)
+        finally:
+            args.use_vllm = args.use_vllm or speculative_vllm
         self.draft = self._build_draft(draft_model)
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
         self.draft_optimizer = torch.optim.AdamW(
@@ -84,6 +93,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self._draft_micro_metrics: list[torch.Tensor] = []
         self.acceptance_history: list[tuple[int, float]] = []
         self.add_callback(_DraftUpdateCallback(self))
+        self.rollout_engine = self._build_rollout_engine() if speculative_vllm else None
+        self._engine_synced_step = -1
 
     # ------------------------------------------------------------------ the draft
 
@@ -255,6 +266,89 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ speculative rollouts
 
+    def _build_rollout_engine(self):
+        """The colocated vLLM engine (policy + draft) that speculative vLLM rollouts use."""
+        from .generation.vllm_engine import VLLMRolloutEngine
+
+        args = self.args
+        if args.vllm_mode != "colocate":
+            raise NotImplementedError(
+                f"vllm_mode={args.vllm_mode!r} with speculative decoding is not supported yet; use "
+                "vllm_mode='colocate'."
+            )
+        policy_folder = Path(self._policy().config._name_or_path or "")
+        if not (policy_folder / "config.json").exists():  # a model built in memory: vLLM needs a folder
+            policy_folder = Path(args.output_dir) / "rollout_policy_init"
+            self._policy().save_pretrained(policy_folder)
+            self._tokenizer.save_pretrained(policy_folder)
+        draft_folder = Path(args.output_dir) / "rollout_draft_init"
+        self.draft.save_pretrained(draft_folder)
+        draft_sample_method, rejection_sample_method = self._vllm_sampling_methods()
+        return VLLMRolloutEngine(
+            policy_folder,
+            draft_model=draft_folder,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_sample_method=draft_sample_method,
+            rejection_sample_method=rejection_sample_method,
+            seed=args.seed,
+            max_model_len=args.vllm_max_model_length,
+            max_num_seqs=args.per_device_train_batch_size * args.steps_per_generation,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        )
+
+    def _vllm_sampling_methods(self) -> tuple[str | None, str | None]:
+        """vLLM's draft/rejection sampling methods: probabilistic drafting whenever vLLM accepts it."""
+        args = self.args
+        if args.vllm_draft_sample_method is not None:
+            return args.vllm_draft_sample_method, args.vllm_rejection_sample_method
+        wanted = args.draft_sampling or "probabilistic"
+        if wanted == "probabilistic" and self.draft.config.draft_vocab_size < self.draft.config.vocab_size:
+            logger.warning(
+                "vLLM 0.31 refuses probabilistic drafting with a reduced draft vocabulary (draft_vocab_size="
+                f"{self.draft.config.draft_vocab_size} < {self.draft.config.vocab_size}): vLLM rollouts use greedy "
+                "drafting, whose acceptance collapses at temperature ~1. Use the full vocabulary to avoid this."
+            )
+            wanted = "greedy"
+        return wanted, args.vllm_rejection_sample_method or "standard"
+
+    @contextmanager
+    def _policy_weights_for_rollout(self):
+        """The policy's weights under HF names, LoRA adapters merged in (and unmerged afterwards)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            yield list(model.state_dict().items())
+            return
+        model.merge_adapter()
+        try:
+            weights = []
+            for name, tensor in model.state_dict().items():
+                if "lora_" in name or "original_module" in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                weights.append((name.replace("modules_to_save.default.", ""), tensor))
+            yield weights
+        finally:
+            model.unmerge_adapter()
+
+    def _engine_single_turn(self, prompt_ids):
+        engine = self.rollout_engine
+        if self.state.global_step != self._engine_synced_step:
+            with self._policy_weights_for_rollout() as weights:
+                engine.sync_policy(weights)
+            engine.sync_draft(self.draft.state_dict().items())
+            self._engine_synced_step = self.state.global_step
+        started = time.perf_counter()
+        out = engine.generate(
+            prompt_ids,
+            max_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k or 0,
+        )
+        elapsed = time.perf_counter() - started
+        self._log_spec_metrics(out.spec_decode, sum(map(len, out.completion_ids)), elapsed)
+        return out.completion_ids, None
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         plain = (
             not self.args.speculative_decoding
@@ -268,6 +362,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         try:
+            if self.rollout_engine is not None:
+                return self._engine_single_turn(prompt_ids)
             return self._speculative_single_turn(prompt_ids)
         except Exception as err:  # the run goes on with plain generation; nothing is lost
             logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")

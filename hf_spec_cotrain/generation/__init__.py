@@ -1,28 +1,57 @@
-"""Rollout generation. The vLLM engine module imports vLLM only when an engine is built."""
+"""Rollout generation: the HF-native speculative generator, the colocated vLLM engine and the vLLM server client.
+
+Names are imported lazily: the vLLM engine module imports vLLM only when an engine is built, and the client
+never imports vLLM.
+"""
 
 import importlib
 from typing import TYPE_CHECKING
 
 
-_EXPORTS = {
-    "VLLM_INSTALL_HINT": "hf_spec_cotrain.generation.vllm_engine",
-    "RolloutOutput": "hf_spec_cotrain.generation.vllm_engine",
-    "SpecDecodeStats": "hf_spec_cotrain.generation.vllm_engine",
-    "SyncStats": "hf_spec_cotrain.generation.vllm_engine",
-    "VLLMRolloutEngine": "hf_spec_cotrain.generation.vllm_engine",
-    "WeightSyncError": "hf_spec_cotrain.generation.vllm_engine",
+_MODULE_OF = {
+    "DRAFT_SAMPLING_METHODS": "speculative",
+    "SpeculativeOutput": "speculative",
+    "greedy_verify": "speculative",
+    "rejection_sample": "speculative",
+    "residual_distribution": "speculative",
+    "speculative_generate": "speculative",
+    "VLLM_INSTALL_HINT": "vllm_engine",
+    "RolloutOutput": "vllm_engine",
+    "SpecDecodeStats": "vllm_engine",
+    "SyncStats": "vllm_engine",
+    "VLLMRolloutEngine": "vllm_engine",
+    "WeightSyncError": "vllm_engine",
+    "VLLMServerClient": "client",
+    "VLLMServerError": "client",
 }
 
 __all__ = [
+    "DRAFT_SAMPLING_METHODS",
     "VLLM_INSTALL_HINT",
     "RolloutOutput",
     "SpecDecodeStats",
+    "SpeculativeOutput",
     "SyncStats",
     "VLLMRolloutEngine",
+    "VLLMServerClient",
+    "VLLMServerError",
     "WeightSyncError",
+    "greedy_verify",
+    "rejection_sample",
+    "residual_distribution",
+    "speculative_generate",
 ]
 
 if TYPE_CHECKING:
+    from .client import VLLMServerClient, VLLMServerError
+    from .speculative import (
+        DRAFT_SAMPLING_METHODS,
+        SpeculativeOutput,
+        greedy_verify,
+        rejection_sample,
+        residual_distribution,
+        speculative_generate,
+    )
     from .vllm_engine import (
         VLLM_INSTALL_HINT,
         RolloutOutput,
@@ -34,11 +63,11 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'hf_spec_cotrain.generation' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():

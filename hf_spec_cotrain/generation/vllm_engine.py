@@ -24,7 +24,7 @@ import gc
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,12 +188,19 @@ class _ModelLayout:
         ]
 
     def fuse_and_check(
-        self, weights: list[tuple[str, torch.Tensor]], *, names: _PolicyNames | _DraftNames, what: str
+        self,
+        weights: list[tuple[str, torch.Tensor]],
+        *,
+        names: _PolicyNames | _DraftNames,
+        what: str,
+        complete: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Map checkpoint tensors to vLLM parameters (concatenating fused ones) after checking names and shapes.
 
         Raises a ValueError naming every checkpoint tensor that is unknown, given twice, missing or
-        mis-shaped, so that nothing reaches the engine unless the whole set fits.
+        mis-shaped, so that nothing reaches the engine unless the whole set fits. With `complete=False`
+        (part of a set, e.g. one chunk of an upload) missing tensors are allowed and only the parameters
+        whose parts are all present are returned.
         """
         fused_of = {part: fused for fused, parts in self.packed_modules.items() for part in parts}
         sources: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
@@ -225,21 +232,19 @@ class _ModelLayout:
             for index, name in enumerate(self.checkpoint_names(vllm_name, names))
             if index not in sources.get(vllm_name, {})
         ]
-        if missing:
+        if missing and complete:
             problems.append(f"missing: {', '.join(missing)}")
         expected = {}
         for vllm_name, parts in sources.items():
             spec = self.params[vllm_name]
             part_shapes = spec.part_shapes or [spec.shape]
-            if len(parts) != len(part_shapes):
-                continue
             wrong = [
                 f"{name} has shape {list(tensor.shape)}, vLLM expects {list(part_shapes[index])}"
                 for index, (name, tensor) in sorted(parts.items())
                 if tuple(tensor.shape) != part_shapes[index]
             ]
             problems.extend(wrong)
-            if not wrong:
+            if not wrong and len(parts) == len(part_shapes):
                 tensors = [tensor for _, (_, tensor) in sorted(parts.items())]
                 expected[vllm_name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if problems:
@@ -434,6 +439,48 @@ class VLLMRolloutEngine:
             raise ValueError("This engine has no draft to verify.")
         self._verify(_DRAFT, self._to_engine_layout(_DRAFT, list(named_tensors)))
 
+    def check_policy(self, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool = True) -> None:
+        """Raise the ValueError `sync_policy` would raise for tensors of these names and shapes, touching nothing.
+
+        With `complete=False` the set may be partial (one chunk of an upload): only unknown, repeated and
+        mis-shaped tensors are refused.
+        """
+        self._check(_POLICY, named_shapes, complete=complete)
+
+    def check_draft(self, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool = True) -> None:
+        """Like `check_policy`, for the draft's checkpoint names."""
+        if not self.has_draft:
+            raise ValueError("This engine has no draft: build it with draft_model=... to sync a draft.")
+        self._check(_DRAFT, named_shapes, complete=complete)
+
+    def read_policy(self) -> dict[str, torch.Tensor]:
+        """The policy weights as vLLM's kernels use them, in HF names (fused parameters split), copied to the CPU.
+
+        Syncing them back restores the engine exactly: a rollback point taken before a risky sync.
+        """
+        return self._read(_POLICY)
+
+    def read_draft(self) -> dict[str, torch.Tensor]:
+        """The draft weights as vLLM's kernels use them, in EAGLE-3 checkpoint names, copied to the CPU."""
+        if not self.has_draft:
+            raise ValueError("This engine has no draft to read.")
+        return self._read(_DRAFT)
+
+    def _check(self, which: str, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool) -> None:
+        placeholders = [(name, torch.empty(tuple(shape), device="meta")) for name, shape in named_shapes]
+        self._layouts[which].fuse_and_check(placeholders, names=self._names(which), what=which, complete=complete)
+
+    def _read(self, which: str) -> dict[str, torch.Tensor]:
+        layout, names = self._layouts[which], self._names(which)
+        params = self.llm.collective_rpc(_read_params, args=(which, list(layout.params)))[0]
+        weights = {}
+        for vllm_name, tensor in params.items():
+            checkpoint_names = layout.checkpoint_names(vllm_name, names)
+            part_shapes = layout.params[vllm_name].part_shapes or [tensor.shape]
+            parts = tensor.split([shape[0] for shape in part_shapes]) if len(checkpoint_names) > 1 else [tensor]
+            weights.update(zip(checkpoint_names, parts))
+        return weights
+
     def _sync(
         self,
         which: str,
@@ -622,6 +669,20 @@ def _read_weight(module: torch.nn.Module, leaf: str, param: torch.Tensor, spec: 
 
 
 @torch.no_grad()
+def _read_params(worker, which: str, vllm_names: list[str]) -> dict[str, torch.Tensor]:
+    model = _models(worker)[which]
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    weights = {}
+    for name in vllm_names:
+        module_name, _, leaf = name.rpartition(".")
+        module, param = modules[module_name], params[name]
+        weight = _read_weight(module, leaf, param, _logical_spec(module, leaf, param))
+        weights[name] = weight.to("cpu", copy=True, memory_format=torch.contiguous_format)
+    return weights
+
+
+@torch.no_grad()
 def _find_mismatches(worker, which: str, expected: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
     model = _models(worker)[which]
     modules = dict(model.named_modules())
@@ -639,7 +700,7 @@ def _find_mismatches(worker, which: str, expected: dict[str, torch.Tensor]) -> l
             mismatches.append(
                 (
                     name,
-                    f"{int((difference > 0).sum())} of {want.numel()} values differ, by up to {difference.max():.3g}",
+                    f"{int((got != want).sum())} of {want.numel()} values differ, by up to {difference.max():.3g}",
                 )
             )
     return mismatches

@@ -1,0 +1,350 @@
+"""The trainer's side of ``hf-spec-cotrain vllm-serve``: rollouts and transactional weight updates over HTTP.
+
+Weights travel as safetensors bytes (never pickle), in chunks of about `chunk_bytes` that form one transaction on
+the server: nothing is applied until every chunk has arrived and the commit succeeds, and a failed commit leaves
+the server on its previous weights. After `init_nccl` (GPU only, untested here) the tensors of each chunk travel
+over NCCL instead, in the same transaction.
+"""
+
+import hashlib
+import math
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import torch
+from safetensors.torch import save as save_safetensors
+
+from .vllm_engine import RolloutOutput, SpecDecodeStats
+
+
+__all__ = [
+    "SHA256_HEADER",
+    "ServerRolloutOutput",
+    "VLLMServerClient",
+    "VLLMServerError",
+    "WeightUpdate",
+    "WeightsVersion",
+]
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+# The SHA-256 (hex) of a chunk's bytes, checked by the server: a truncated or altered chunk is refused.
+SHA256_HEADER = "X-Content-SHA256"
+# vLLM's default geometry for packed NCCL broadcasts; both sides must use the same.
+_NCCL_BUFFER_BYTES = 2**30
+_NCCL_NUM_BUFFERS = 2
+
+
+class VLLMServerError(RuntimeError):
+    """The server refused a request or failed; `status_code` is its HTTP status and the message its reason."""
+
+    def __init__(self, message: str, *, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass
+class WeightsVersion:
+    """Versions of the weights the server holds (0: loaded from the folders at start; None: no draft)."""
+
+    policy: int
+    draft: int | None
+
+
+@dataclass
+class WeightUpdate:
+    """What one committed weight update did (seconds measured on the server)."""
+
+    target: str
+    version: int
+    num_tensors: int
+    num_chunks: int
+    num_bytes: int
+    load_seconds: float
+    verify_seconds: float | None
+
+
+@dataclass
+class ServerRolloutOutput(RolloutOutput):
+    """`RolloutOutput` plus the weights versions that produced it. Logprobs the server could not put in JSON
+    (non-finite) are NaN."""
+
+    versions: WeightsVersion
+
+
+class VLLMServerClient:
+    """Client of one ``hf-spec-cotrain vllm-serve`` server.
+
+    Args:
+        base_url: The server, e.g. ``http://127.0.0.1:8000``.
+        timeout: Seconds to wait for any answer (a generation or a commit can take a while).
+        connect_timeout: Seconds to wait for a connection.
+    """
+
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", *, timeout: float = 600.0, connect_timeout: float = 10.0
+    ):
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError(f"timeout={timeout} and connect_timeout={connect_timeout} must be positive (seconds).")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.session = requests.Session()
+        self._nccl_group = None
+        self._nccl_device: torch.device | None = None
+
+    # ----------------------------------------------------------------------------------- status
+
+    def health(self) -> dict[str, Any]:
+        """The server's status; raises `VLLMServerError` (503) when it cannot serve rollouts."""
+        return self._request("GET", "/health", timeout=self.connect_timeout)
+
+    def wait_until_ready(self, timeout: float = 300.0, *, poll_interval: float = 1.0) -> dict[str, Any]:
+        """Poll `health` until the server answers 200; raise TimeoutError with the last problem after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.health()
+            except (requests.ConnectionError, requests.Timeout, VLLMServerError) as error:
+                problem = error
+            if time.monotonic() + poll_interval > deadline:
+                raise TimeoutError(f"The server at {self.base_url} was not ready within {timeout:g} s: {problem}")
+            time.sleep(poll_interval)
+
+    def weights_version(self) -> WeightsVersion:
+        return WeightsVersion(**self._request("GET", "/weights/version"))
+
+    # ----------------------------------------------------------------------------------- rollouts
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        logprobs: bool = False,
+        **sampling_kwargs: Any,
+    ) -> ServerRolloutOutput:
+        """`VLLMRolloutEngine.generate` on the server: `n` completions per prompt, prompt-major, with the
+        speculative counters of this call. `sampling_kwargs` (JSON values) go to `vllm.SamplingParams`."""
+        body = {
+            "prompt_token_ids": [list(map(int, ids)) for ids in prompt_token_ids],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "n": n,
+            "logprobs": logprobs,
+            "sampling_kwargs": sampling_kwargs,
+        }
+        answer = self._request("POST", "/generate", json=body)
+        stats = answer["spec_decode"]
+        completion_logprobs = answer["logprobs"]
+        if completion_logprobs is not None:
+            completion_logprobs = [[math.nan if x is None else x for x in row] for row in completion_logprobs]
+        return ServerRolloutOutput(
+            completion_ids=answer["completion_ids"],
+            logprobs=completion_logprobs,
+            spec_decode=SpecDecodeStats(
+                num_drafts=stats["num_drafts"],
+                num_draft_tokens=stats["num_draft_tokens"],
+                num_accepted_tokens=stats["num_accepted_tokens"],
+                accepted_per_position=stats["accepted_per_position"],
+            ),
+            versions=WeightsVersion(**answer["versions"]),
+        )
+
+    # ----------------------------------------------------------------------------------- weights
+
+    def update_policy(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> WeightUpdate:
+        """Replace every policy weight (HF names, e.g. `model.state_dict().items()`) as one transaction.
+
+        `version` (default: the server's current one plus 1) is what `weights_version` reports afterwards.
+        Raises `VLLMServerError` naming the problem if the server refuses or fails; the server then keeps its
+        previous weights.
+        """
+        return self._update("policy", named_tensors, version=version, chunk_bytes=chunk_bytes)
+
+    def update_draft(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> WeightUpdate:
+        """Replace every draft weight (EAGLE-3 checkpoint names, e.g. `draft.state_dict().items()`); see
+        `update_policy`."""
+        return self._update("draft", named_tensors, version=version, chunk_bytes=chunk_bytes)
+
+    def _update(
+        self, target: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None, chunk_bytes: int
+    ) -> WeightUpdate:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
+        begun = self._request("POST", "/weights/transactions", json={"target": target, "version": version})
+        transaction_id = begun["transaction_id"]
+        device = self._nccl_device if self._nccl_group is not None else torch.device("cpu")
+        num_chunks = num_bytes = 0
+        try:
+            for index, chunk in enumerate(iter_chunks(named_tensors, chunk_bytes=chunk_bytes, device=device)):
+                if self._nccl_group is None:
+                    num_bytes += self._send_http_chunk(transaction_id, index, chunk)
+                else:
+                    num_bytes += self._send_nccl_chunk(transaction_id, index, chunk)
+                num_chunks += 1
+            if num_chunks == 0:
+                raise ValueError(f"No {target} tensors were given: an update replaces every weight.")
+            committed = self._request(
+                "POST", f"/weights/transactions/{transaction_id}/commit", json={"num_chunks": num_chunks}
+            )
+        except BaseException:
+            self._abort_quietly(transaction_id)
+            raise
+        return WeightUpdate(
+            target=target,
+            version=committed["version"],
+            num_tensors=committed["num_tensors"],
+            num_chunks=num_chunks,
+            num_bytes=num_bytes,
+            load_seconds=committed["load_seconds"],
+            verify_seconds=committed["verify_seconds"],
+        )
+
+    def _send_http_chunk(self, transaction_id: str, index: int, chunk: list[tuple[str, torch.Tensor]]) -> int:
+        data = save_safetensors(dict(chunk))
+        self._request(
+            "PUT",
+            f"/weights/transactions/{transaction_id}/chunks/{index}",
+            data=data,
+            headers={"Content-Type": "application/octet-stream", SHA256_HEADER: hashlib.sha256(data).hexdigest()},
+        )
+        return len(data)
+
+    def _abort_quietly(self, transaction_id: str) -> None:
+        """Free the server's staged chunks; a commit that was reached has already discarded them (404)."""
+        try:
+            self._request("DELETE", f"/weights/transactions/{transaction_id}", timeout=self.connect_timeout)
+        except (requests.RequestException, VLLMServerError):
+            pass
+
+    # ----------------------------------------------------------------------------------- NCCL (GPU, untested here)
+
+    def init_nccl(
+        self, *, device: torch.device | str | int = 0, master_address: str = "127.0.0.1", master_port: int = 51217
+    ) -> None:
+        """Open a 2-rank NCCL group with the server (this trainer is rank 0); later updates send tensors over it.
+
+        `master_address` must be an address of this machine that the server can reach. GPU only: the server must
+        run on CUDA. Untested in this project's CI (no GPU).
+        """
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type != "cuda":
+            raise NotImplementedError(
+                f"NCCL weight transfer needs a CUDA device, got {device}; without it updates go over HTTP."
+            )
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "packed_buffer_size_bytes": _NCCL_BUFFER_BYTES,
+            "packed_num_buffers": _NCCL_NUM_BUFFERS,
+        }
+        # The server blocks in the rendezvous while answering, so both sides must enter it at the same time.
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            joined = executor.submit(self._request, "POST", "/nccl/init", json=body)
+            group = trainer_init({"master_address": master_address, "master_port": master_port, "world_size": 2})
+            joined.result()
+        self._nccl_group = group
+        self._nccl_device = torch.device("cuda", torch.cuda.current_device())
+
+    def _send_nccl_chunk(self, transaction_id: str, index: int, chunk: list[tuple[str, torch.Tensor]]) -> int:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        body = {
+            "names": [name for name, _ in chunk],
+            "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in chunk],
+            "shapes": [list(tensor.shape) for _, tensor in chunk],
+        }
+        # The server receives while answering the request, so the broadcast runs at the same time.
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            staged = executor.submit(
+                self._request, "POST", f"/weights/transactions/{transaction_id}/nccl_chunks/{index}", json=body
+            )
+            packed_nccl_broadcast_producer(
+                iter(chunk),
+                group=self._nccl_group,
+                src=0,
+                post_iter_func=lambda item: item[1],
+                buffer_size_bytes=_NCCL_BUFFER_BYTES,
+                num_buffers=_NCCL_NUM_BUFFERS,
+            )
+            staged.result()
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in chunk)
+
+    # ----------------------------------------------------------------------------------- plumbing
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs) -> dict[str, Any]:
+        response = self.session.request(
+            method, self.base_url + path, timeout=(self.connect_timeout, timeout or self.timeout), **kwargs
+        )
+        if response.ok:
+            return response.json()
+        try:
+            answer = response.json()
+            reason = answer.get("error") or answer.get("detail") or response.text
+        except ValueError:
+            reason = response.text[:500] or response.reason
+        raise VLLMServerError(
+            f"{method} {path} on {self.base_url} failed with HTTP {response.status_code}: {reason}",
+            status_code=response.status_code,
+        )
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "VLLMServerClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def iter_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int, device: torch.device
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors, moved to `device`, detached and contiguous, into lists of about `chunk_bytes` (a tensor larger
+    than that is a chunk of its own). Tensors sharing storage (tied weights) are copied: safetensors refuses them."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    storages: set[int] = set()
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to(device).contiguous()
+        tensor_bytes = tensor.numel() * tensor.element_size()
+        if chunk and size + tensor_bytes > chunk_bytes:
+            yield chunk
+            chunk, size, storages = [], 0, set()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in storages:
+            tensor = tensor.clone()
+        storages.add(tensor.untyped_storage().data_ptr())
+        chunk.append((name, tensor))
+        size += tensor_bytes
+    if chunk:
+        yield chunk

@@ -1,0 +1,602 @@
+"""HF-native speculative decoding with an EAGLE-3 draft: chain drafting and lossless verification, as vLLM runs it.
+
+One round, per row, after the target has emitted ``x_n`` (position ``n``):
+
+1. The draft proposes ``d_1`` from its output at position ``n - 1`` and, feeding ``(embed(d_k), h)`` with its own
+   pre-norm output ``h`` at position ``n - 1 + k``, proposes ``d_2 .. d_K``.
+2. One target forward over ``[x_n, d_1 .. d_K]`` scores every proposal; forward hooks (`TapRecorder`) read the taps
+   of that same forward.
+3. Each row accepts its own prefix of ``a`` drafts and emits a correction (or, after all ``K``, a bonus) token:
+   greedy verification, or speculative rejection sampling, so the output follows the target's distribution.
+4. The draft's speculative cache entries are discarded and positions ``n .. n + a`` are recomputed from the target's
+   taps of step 2; the output at ``n + a`` proposes the next round's ``d_1``.
+
+Caches are never cropped: rows accept different numbers of tokens, so a rejected slot becomes a *hole* in a
+``[B, slots]`` slot mask (0 = hole or padding) and every forward gets explicit per-row ``position_ids``. HF's
+`create_causal_mask` (Llama, Qwen2, Qwen3) builds causal-by-slot attention combined with that 2-D mask when a
+`DynamicCache` is passed, which is exactly what holes need. Finished rows leave the batch, and caches whose holes
+outnumber their kept slots are compacted (keys carry their RoPE rotation, so moving slots changes nothing).
+"""
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ..draft import Eagle3DraftModel
+from ..taps import TapRecorder
+
+
+__all__ = [
+    "DRAFT_SAMPLING_METHODS",
+    "SpeculativeOutput",
+    "greedy_verify",
+    "rejection_sample",
+    "residual_distribution",
+    "speculative_generate",
+]
+
+DRAFT_SAMPLING_METHODS = ("probabilistic", "greedy")
+
+
+@dataclass
+class SpeculativeOutput:
+    """Generated sequences and vLLM-compatible speculation counters.
+
+    ``sequences``: prompt + generated tokens, ``[B, prompt_len + longest generation]``, ``pad_token_id`` after a row
+    finishes (the layout of ``generate``). Counters follow vLLM's ``spec_decode`` metrics: a *draft* is one round of
+    ``K`` proposals for one row; ``accepted_per_position[k]`` counts drafts whose proposal ``k`` was accepted.
+    Accepted tokens are counted as verified, before EOS or ``max_new_tokens`` truncate a row (as vLLM counts).
+    """
+
+    sequences: torch.LongTensor
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    num_drafts_per_row: torch.LongTensor
+    num_accepted_per_row: torch.LongTensor
+    num_target_forwards: int
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per target forward of a drafting row, vLLM's ``1 + accepted / drafts`` (NaN: no drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+def greedy_verify(
+    draft_token_ids: torch.LongTensor, target_logits: torch.Tensor
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Accept drafts while they equal the target's argmax; return ``(num_accepted [B], next_token_ids [B])``.
+
+    ``draft_token_ids [B, K]``; ``target_logits [B, K + 1, V]``, position ``k`` scoring the token after draft ``k``
+    (position 0: after the last verified token). The next token is the target's argmax at the first mismatch,
+    or after all ``K`` drafts (the bonus).
+    """
+    target_ids = target_logits.argmax(-1)
+    num_drafts = draft_token_ids.shape[1]
+    num_accepted = (draft_token_ids == target_ids[:, :num_drafts]).long().cumprod(1).sum(1)
+    return num_accepted, target_ids.gather(1, num_accepted[:, None]).squeeze(1)
+
+
+def rejection_sample(
+    draft_token_ids: torch.LongTensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Speculative rejection sampling of one round; return ``(num_accepted [B], next_token_ids [B])``.
+
+    ``target_probs [B, K + 1, V]`` is the target's (warped) distribution ``p`` at each verified position, the last
+    one for the bonus token. ``draft_probs [B, K, V]`` is the ``q`` each draft was sampled from; None means the
+    draft proposed its argmax (``q`` one-hot). Draft ``k`` is accepted with probability ``min(1, p(d) / q(d))``;
+    on the first rejection the next token comes from the normalised residual ``max(0, p - q)``, after ``K``
+    acceptances from ``p``, so every emitted token follows ``p`` exactly.
+    """
+    batch, num_drafts = draft_token_ids.shape
+    rows = torch.arange(batch, device=draft_token_ids.device)
+    p_of_draft = target_probs[:, :num_drafts].gather(-1, draft_token_ids[..., None]).squeeze(-1)
+    if draft_probs is None:
+        ratio = p_of_draft
+    else:
+        ratio = p_of_draft / draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)
+    uniform = torch.rand(ratio.shape, generator=generator, device=ratio.device, dtype=ratio.dtype)
+    num_accepted = (uniform < ratio).long().cumprod(1).sum(1)
+
+    p_next = target_probs[rows, num_accepted]
+    rejected_at = num_accepted.clamp(max=num_drafts - 1)
+    if draft_probs is None:
+        q_next = F.one_hot(draft_token_ids[rows, rejected_at], p_next.shape[-1]).to(p_next.dtype)
+    else:
+        q_next = draft_probs[rows, rejected_at]
+    rejected = (num_accepted < num_drafts)[:, None]
+    distribution = torch.where(rejected, residual_distribution(p_next, q_next), p_next)
+    return num_accepted, torch.multinomial(distribution, 1, generator=generator).squeeze(1)
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """``max(0, p - q)`` normalised over the last dim: where a rejected draft's next token comes from.
+
+    A rejection leaves residual mass unless ``p`` and ``q`` agree up to rounding; ``p`` is then the exact answer.
+    """
+    residual = (target_probs - draft_probs).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def speculative_generate(
+    target: PreTrainedModel,
+    draft: Eagle3DraftModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    num_speculative_tokens: int = 3,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    draft_sampling: str | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    r"""
+    Generate from ``target`` with ``draft`` proposing ``num_speculative_tokens`` tokens per target forward.
+
+    The output is lossless: greedy decoding returns ``target.generate(do_sample=False)``'s tokens, and sampling
+    follows the target's distribution with the same ``temperature``/``top_k``/``top_p`` (HF's warpers, applied
+    in that order).
+
+    Args:
+        input_ids: ``[B, P]`` prompts, left-padded. ``attention_mask``: ``[B, P]``, 0 on padding (default: none).
+        max_new_tokens: generated tokens per row, at most (EOS ends a row earlier).
+        num_speculative_tokens: ``K``, drafts per round.
+        do_sample: sample (speculative rejection sampling) instead of greedy decoding.
+        draft_sampling: how the draft proposes when sampling: ``"probabilistic"`` (default) samples from the
+            draft's own warped distribution ``q`` (zero outside the draft vocabulary) and accepts with
+            ``min(1, p/q)``; ``"greedy"`` proposes the draft's argmax (vLLM's default), accepted with ``p(token)``.
+        eos_token_id / pad_token_id: default to the target's ``generation_config`` (pad falls back to EOS).
+        generator: random source for sampling (on the models' device).
+    """
+    draft_sampling = _validate_arguments(
+        target,
+        draft,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        num_speculative_tokens=num_speculative_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        draft_sampling=draft_sampling,
+    )
+    aux_layer_ids = draft.validate_target(target.config)
+    eos_ids, pad_token_id = _special_ids(target, eos_token_id, pad_token_id)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    warpers = _warpers(temperature, top_k, top_p) if do_sample else None
+    modes = {module: module.training for module in (*target.modules(), *draft.modules())}
+    target.eval()
+    draft.eval()
+    try:
+        with torch.no_grad(), TapRecorder(target, aux_layer_ids) as recorder:
+            decoder = _SpeculativeDecoder(
+                target,
+                draft,
+                recorder,
+                num_speculative_tokens=num_speculative_tokens,
+                warpers=warpers,
+                greedy_drafts=draft_sampling == "greedy",
+                eos_ids=eos_ids,
+                generator=generator,
+            )
+            return decoder.generate(
+                input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id
+            )
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+class _SpeculativeDecoder:
+    """The state of one `speculative_generate` call; rows are the still-running rows, ``row_ids`` their batch ids."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: Eagle3DraftModel,
+        recorder: TapRecorder,
+        *,
+        num_speculative_tokens: int,
+        warpers: LogitsProcessorList | None,
+        greedy_drafts: bool,
+        eos_ids: torch.Tensor,
+        generator: torch.Generator | None,
+    ):
+        self.target = target
+        self.draft = draft
+        self.recorder = recorder
+        self.num_drafts = num_speculative_tokens
+        self.warpers = warpers
+        self.greedy_drafts = greedy_drafts or warpers is None
+        self.generator = generator
+        self.embedding = target.get_input_embeddings()
+        self.draft_ids = draft.draft_to_target_ids.to(self.embedding.weight.device)
+        self.eos_ids = eos_ids.to(self.embedding.weight.device)
+
+    # ------------------------------------------------------------------ the loop
+
+    def generate(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, *, max_new_tokens: int, pad_token_id: int
+    ) -> SpeculativeOutput:
+        device = self.embedding.weight.device
+        input_ids = input_ids.to(device)
+        batch = input_ids.shape[0]
+        k = self.num_drafts
+        self.generated = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.num_generated = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_new_tokens = max_new_tokens
+        drafts_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+        accepted_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+        accepted_per_position = torch.zeros(k, dtype=torch.long, device=device)
+        offsets = torch.arange(k + 1, device=device)
+
+        # Prefill: the target over the prompts (taps by hooks) and its first token; then the draft over the prompts.
+        slot_mask = attention_mask.to(device=device, dtype=torch.bool)
+        positions = (slot_mask.long().cumsum(1) - 1).clamp(min=0)
+        self.target_cache, self.target_mask = DynamicCache(config=self.target.config), slot_mask
+        self.draft_cache, self.draft_mask = DynamicCache(), slot_mask[:, :0]
+        logits, taps = self._target_forward(input_ids, positions, logits_to_keep=1)
+        num_target_forwards = 1
+        last_token = self._sample_target(logits[:, -1])
+        row_ids = torch.arange(batch, device=device)
+        finished = self._emit(row_ids, last_token[:, None], torch.ones_like(last_token))
+        draft_tokens = torch.cat([input_ids[:, 1:], last_token[:, None]], dim=1)
+        row_ids, last_token, draft_tokens, taps, positions, slot_mask = self._drop_finished(
+            finished, row_ids, last_token, draft_tokens, taps, positions, slot_mask
+        )
+        if row_ids.numel():
+            draft_logits, draft_hidden = self._draft_forward(draft_tokens, taps, positions, slot_mask, select=None)
+            next_position = positions[:, -1] + 1
+
+        while row_ids.numel():
+            # 1. Chain drafting: d_1 from the last verified position, then d_2..d_K from the draft's own output.
+            spec_start = self.draft_mask.shape[1]
+            drafts, draft_probs = [], []
+            for step in range(k):
+                token, q = self._propose(draft_logits)
+                drafts.append(token)
+                draft_probs.append(q)
+                if step < k - 1:
+                    draft_logits, draft_hidden = self._draft_step(token, draft_hidden, next_position + step)
+            drafts = torch.stack(drafts, dim=1)
+            self.draft_mask[:, spec_start:] = False  # speculative entries never serve a later round
+
+            # 2. One target forward verifies [x_n, d_1..d_K]; its taps feed the draft's recomputation.
+            verify_ids = torch.cat([last_token[:, None], drafts], dim=1)
+            verify_positions = next_position[:, None] + offsets
+            self.target_mask = F.pad(self.target_mask, (0, k + 1), value=True)
+            logits, taps = self._target_forward(verify_ids, verify_positions)
+            num_target_forwards += 1
+
+            # 3. Accept a prefix per row, then a correction or bonus token.
+            if self.warpers is None:
+                num_accepted, next_token = greedy_verify(drafts, logits)
+            else:
+                target_probs = self._probs(logits)
+                q = None if self.greedy_drafts else torch.stack(draft_probs, dim=1)
+                num_accepted, next_token = rejection_sample(drafts, target_probs, q, generator=self.generator)
+            drafts_per_row[row_ids] += 1
+            accepted_per_row[row_ids] += num_accepted
+            accepted_per_position += (num_accepted[:, None] > offsets[:k]).sum(0)
+            emitted = torch.cat([drafts, next_token[:, None]], dim=1)
+            emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
+            finished = self._emit(row_ids, emitted, num_accepted + 1)
+
+            # 4. Rejected target slots become holes; the draft recomputes the accepted positions from target taps,
+            # and its output at the last accepted one proposes the next round's d_1.
+            verified = offsets <= num_accepted[:, None]
+            self.target_mask[:, -(k + 1) :] = verified
+            row_ids, emitted, taps, verify_positions, verified, num_accepted, next_token, next_position = (
+                self._drop_finished(
+                    finished,
+                    row_ids,
+                    emitted,
+                    taps,
+                    verify_positions,
+                    verified,
+                    num_accepted,
+                    next_token,
+                    next_position,
+                )
+            )
+            if not row_ids.numel():
+                break
+            draft_logits, draft_hidden = self._draft_forward(
+                emitted, taps, verify_positions, verified, select=num_accepted
+            )
+            last_token, next_position = next_token, next_position + num_accepted + 1
+            self._compact_caches()
+
+        longest = int(self.num_generated.max())
+        num_drafts = int(drafts_per_row.sum())
+        return SpeculativeOutput(
+            sequences=torch.cat([input_ids, self.generated[:, :longest]], dim=1),
+            num_drafts=num_drafts,
+            num_draft_tokens=num_drafts * k,
+            num_accepted_tokens=int(accepted_per_row.sum()),
+            accepted_per_position=accepted_per_position.tolist(),
+            num_drafts_per_row=drafts_per_row,
+            num_accepted_per_row=accepted_per_row,
+            num_target_forwards=num_target_forwards,
+        )
+
+    def _emit(self, row_ids: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens[:, :counts]`` to the rows, cut at EOS and at the budget; return which rows finished."""
+        offsets = torch.arange(tokens.shape[1], device=tokens.device)
+        counts = torch.minimum(counts, self.max_new_tokens - self.num_generated[row_ids])
+        is_eos = torch.isin(tokens, self.eos_ids) & (offsets < counts[:, None])
+        first_eos = torch.where(is_eos, offsets, tokens.shape[1]).min(1).values
+        counts = torch.minimum(counts, first_eos + 1)
+        write = offsets < counts[:, None]
+        columns = self.num_generated[row_ids, None] + offsets
+        self.generated[row_ids[:, None].expand_as(tokens)[write], columns[write]] = tokens[write]
+        self.num_generated[row_ids] += counts
+        return is_eos.any(1) | (self.num_generated[row_ids] >= self.max_new_tokens)
+
+    # ------------------------------------------------------------------ target
+
+    def _target_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target over new slots (``self.target_mask`` already covers them); return logits and taps."""
+        with self.recorder.capture():
+            logits = self.target(
+                input_ids=input_ids,
+                attention_mask=self.target_mask,
+                position_ids=position_ids,
+                past_key_values=self.target_cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            ).logits
+        return logits, self.recorder.pop().aux_hidden_states
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped probabilities over ``[..., V]``, computed in at least float32."""
+        shape = logits.shape
+        scores = logits.reshape(-1, shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+        return self.warpers(None, scores).softmax(-1).view(shape)
+
+    def _sample_target(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.warpers is None:
+            return logits.argmax(-1)
+        return torch.multinomial(self._probs(logits), 1, generator=self.generator).squeeze(1)
+
+    # ------------------------------------------------------------------ draft
+
+    def _propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft token (target id) and the distribution ``q`` it was sampled from (None: argmax)."""
+        if self.greedy_drafts:
+            return self.draft_ids[draft_logits.argmax(-1)], None
+        scores = draft_logits.new_full((draft_logits.shape[0], self.draft.config.vocab_size), float("-inf"))
+        scores[:, self.draft_ids] = draft_logits  # zero probability outside the draft vocabulary
+        q = self._probs(scores)
+        return torch.multinomial(q, 1, generator=self.generator).squeeze(1), q
+
+    def _draft_step(
+        self, token: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One speculative step: ``(embed(token), h)`` at ``position``, a new (visible) cache slot."""
+        return self._run_draft(
+            self._embed(token[:, None]),
+            hidden,
+            position[:, None],
+            torch.ones_like(token[:, None], dtype=torch.bool),
+            select=None,
+        )
+
+    def _draft_forward(
+        self,
+        tokens: torch.Tensor,
+        taps: torch.Tensor,
+        position_ids: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        select: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft positions recomputed from target taps: ``(embed(x_{j+1}), fc(taps_j))`` at ``j``."""
+        hidden = self.draft.project_hidden_states(taps)
+        return self._run_draft(self._embed(tokens), hidden, position_ids, valid, select=select)
+
+    def _run_draft(
+        self,
+        input_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        select: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``L`` slots (``valid``: not holes) to the draft cache; return the logits and ``h`` at one slot per
+        row (``select``; default the last), so a long prompt never materialises ``[B, L, vocab]`` logits."""
+        self.draft_mask = torch.cat([self.draft_mask, valid], dim=1)
+        visible = _slot_attention_mask(self.draft_mask, input_embeds.shape[1])
+        cache = self.draft_cache
+
+        def attend(layer_index, q, k, v):
+            k, v = cache.update(k, v, layer_index)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+
+        hidden = self.draft.backbone(input_embeds, hidden, position_ids, attend)
+        if select is None:
+            hidden = hidden[:, -1:]
+        else:
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), select][:, None]
+        return self.draft.compute_logits(hidden)[:, 0], hidden
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The target's own embedding (the draft's inputs always match the model being decoded)."""
+        return self.embedding(token_ids).to(self.draft.fc.weight.dtype)
+
+    # ------------------------------------------------------------------ caches
+
+    def _drop_finished(self, finished: torch.Tensor, *row_tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Remove finished rows from both caches, their slot masks and ``row_tensors`` (returned filtered)."""
+        if not finished.any():
+            return list(row_tensors)
+        keep = (~finished).nonzero().squeeze(1)
+        for cache in (self.target_cache, self.draft_cache):
+            cache.batch_select_indices(keep)
+        self.target_mask, self.draft_mask = self.target_mask[keep], self.draft_mask[keep]
+        return [t[keep] for t in row_tensors]
+
+    def _compact_caches(self) -> None:
+        self.target_cache, self.target_mask = _compact(self.target_cache, self.target_mask, self.target.config)
+        self.draft_cache, self.draft_mask = _compact(self.draft_cache, self.draft_mask, None)
+
+
+def _slot_attention_mask(slot_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, 1, L, slots]``: the last ``L`` slots' queries see kept slots up to their own (and always their own)."""
+    slots = slot_mask.shape[1]
+    key_slot = torch.arange(slots, device=slot_mask.device)
+    query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
+    visible = (key_slot <= query_slot) & slot_mask[:, None, :]
+    return (visible | (key_slot == query_slot))[:, None]
+
+
+def _compact(cache: DynamicCache, slot_mask: torch.Tensor, config) -> tuple[DynamicCache, torch.Tensor]:
+    """Drop holes once they outnumber the kept slots of the fullest row: kept slots keep their order, left-padded."""
+    slots = slot_mask.shape[1]
+    width = int(slot_mask.sum(1).max())
+    if slots - width <= width:
+        return cache, slot_mask
+    slot = torch.arange(slots, device=slot_mask.device)
+    order = torch.argsort(torch.where(slot_mask, slot + slots, slot), dim=1, stable=True)[:, slots - width :]
+
+    def gather(states: torch.Tensor) -> torch.Tensor:
+        return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
+
+    layers = [(gather(keys), gather(values)) for keys, values, _ in cache]
+    return DynamicCache(layers, config=config), slot_mask.gather(1, order)
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def _warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """HF ``generate``'s sampling warpers, in its order: temperature, top-k, top-p."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def _special_ids(target: nn.Module, eos_token_id, pad_token_id) -> tuple[torch.Tensor, int]:
+    generation_config = getattr(target, "generation_config", None)
+    if eos_token_id is None and generation_config is not None:
+        eos_token_id = generation_config.eos_token_id
+    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if pad_token_id is None and generation_config is not None:
+        pad_token_id = generation_config.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = eos_ids[0] if eos_ids else 0
+    return torch.tensor(eos_ids, dtype=torch.long), int(pad_token_id)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_arguments(
+    target,
+    draft,
+    input_ids,
+    attention_mask,
+    *,
+    max_new_tokens,
+    num_speculative_tokens,
+    do_sample,
+    temperature,
+    top_p,
+    top_k,
+    draft_sampling,
+) -> str:
+    """Raise a ValueError naming any bad argument; return the effective ``draft_sampling``."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens`={max_new_tokens!r} is not allowed: it must be an int >= 1.")
+    if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
+        raise ValueError(
+            f"`num_speculative_tokens`={num_speculative_tokens!r} is not allowed: the draft proposes an int >= 1 "
+            "tokens per round (use `target.generate` to decode without a draft)."
+        )
+    if draft_sampling is not None and draft_sampling not in DRAFT_SAMPLING_METHODS:
+        raise ValueError(
+            f"`draft_sampling`={draft_sampling!r} is not allowed; choose one of {', '.join(DRAFT_SAMPLING_METHODS)}."
+        )
+    if do_sample:
+        if not temperature > 0:
+            raise ValueError(
+                f"`temperature`={temperature!r} is not allowed with `do_sample=True`: it must be > 0 "
+                "(use `do_sample=False` for greedy decoding)."
+            )
+        if not 0 < top_p <= 1:
+            raise ValueError(f"`top_p`={top_p!r} is not allowed: it must be in (0, 1] (1 disables it).")
+        if not _is_int(top_k) or top_k < 0:
+            raise ValueError(f"`top_k`={top_k!r} is not allowed: it must be an int >= 0 (0 disables it).")
+    elif draft_sampling == "probabilistic":
+        warnings.warn(
+            "`draft_sampling='probabilistic'` has no effect with `do_sample=False`: greedy decoding verifies the "
+            "draft's argmax.",
+            stacklevel=3,
+        )
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"`input_ids` must be an int64 tensor [batch, prompt_len]; got {shape}.")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"`input_ids` has shape {tuple(input_ids.shape)}: give at least one prompt of >= 1 token.")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"`attention_mask` has shape {tuple(attention_mask.shape)}; expected {tuple(input_ids.shape)} "
+                "like `input_ids`."
+            )
+        mask = attention_mask.to(torch.bool)
+        empty = (~mask.any(1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"Prompt rows {empty} have no real token (`attention_mask` all 0); drop them.")
+        if (mask[:, :-1] & ~mask[:, 1:]).any():
+            raise ValueError(
+                "`attention_mask` is not left-padded: a 0 follows a 1 in some row. Pad prompts on the left "
+                "(`tokenizer.padding_side = 'left'`), as for `generate`."
+            )
+    layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    other = sorted(set(layer_types) - {"full_attention"})
+    if other:
+        raise ValueError(
+            f"The target has {other} layers; speculative_generate supports full-attention targets only (rejected "
+            "tokens are masked cache slots, which a sliding window would count)."
+        )
+    return draft_sampling or ("probabilistic" if do_sample else "greedy")

@@ -1,0 +1,141 @@
+"""GRPO step time with draft co-training versus plain TRL `GRPOTrainer`, on the same inputs.
+
+Two measurements, each for a tiny and a mid-size CPU policy, median over the timed steps of two interleaved
+runs of each trainer:
+
+* full step: same prompts and seed, both trainers generate with plain `generate` (speculative rollouts off, so
+  only the co-training cost differs), then score, forward, backward and step; the co-training trainer also
+  taps the policy's forward and trains the draft. This is the ratio the goal (<= 1.10) is about.
+* training only: generation is replaced by identical pre-sampled completions, so the ratio isolates the draft's
+  TTT forward/backward against the policy's forward/backward (an upper bound on the overhead: real steps also
+  generate).
+
+    python scripts/bench_cotrain_overhead.py            # both sizes
+    python scripts/bench_cotrain_overhead.py --quick    # tiny only, fewer steps
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+
+
+SIZES = {
+    "tiny": dict(
+        num_layers=8, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256
+    ),
+    "mid": dict(
+        num_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1376,
+    ),
+}
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.times, self._start = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def fixed_rollouts(trainer_cls):
+    """A trainer subclass whose generation returns pre-sampled completions (identical for both trainers)."""
+
+    class Fixed(trainer_cls):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+            generator = torch.Generator().manual_seed(len(prompt_ids) * 7919 + sum(map(sum, prompt_ids)))
+            vocab = self.processing_class.vocab_size
+            completions = torch.randint(5, vocab, (len(prompt_ids), self.max_completion_length), generator=generator)
+            return completions.tolist(), None
+
+    return Fixed
+
+
+def run(policy_dir: str, *, cotrain: bool, fixed: bool, steps: int, batch: int, completion_length: int) -> list[float]:
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=batch,
+        num_generations=4,
+        max_completion_length=completion_length,
+        max_steps=steps,
+        logging_steps=10**6,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    prompts = Dataset.from_dict({"prompt": [f"prompt number {i}: " + "x" * 24 for i in range(64)]})
+    reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    wrap = fixed_rollouts if fixed else (lambda cls: cls)
+    if cotrain:
+        trainer = wrap(SpecCoTrainGRPOTrainer)(
+            model=policy_dir,
+            reward_funcs=reward,
+            args=SpecCoTrainConfig(**common, speculative_decoding=False),
+            train_dataset=prompts,
+            processing_class=build_char_tokenizer(),
+        )
+    else:
+        trainer = wrap(GRPOTrainer)(
+            model=policy_dir,
+            reward_funcs=reward,
+            args=GRPOConfig(**common),
+            train_dataset=prompts,
+            processing_class=build_char_tokenizer(),
+        )
+    timer = StepTimer()
+    trainer.add_callback(timer)
+    trainer.train()
+    return timer.times[2:]  # the first steps include one-off allocation and dispatch warm-up
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = ["tiny"] if args.quick else ["tiny", "mid"]
+    steps = args.steps or (6 if args.quick else 10)
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for size in sizes:
+            policy_dir = str(save_tiny_target(Path(root, size), "llama", **SIZES[size]))
+            shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128)
+            for fixed in (False, True):
+                # Interleave the two so a change of machine load hits both alike.
+                plain, cotrain = [], []
+                for _ in range(2):
+                    plain += run(policy_dir, cotrain=False, fixed=fixed, steps=steps, **shapes)
+                    cotrain += run(policy_dir, cotrain=True, fixed=fixed, steps=steps, **shapes)
+                kind = "training only" if fixed else "full step"
+                rows.append((size, kind, statistics.median(plain), statistics.median(cotrain)))
+    print(f"\n{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{'co-training s/step':>20}{'ratio':>8}")
+    for size, kind, plain, cotrain in rows:
+        print(f"{size:<8}{kind:<15}{plain:>19.3f}{cotrain:>20.3f}{cotrain / plain:>8.3f}")
+    full = [c / p for _, kind, p, c in rows if kind == "full step"]
+    print("goal: full-step ratio <= 1.10 ->", "met" if all(r <= 1.10 for r in full) else "NOT met")
+
+
+if __name__ == "__main__":
+    main()

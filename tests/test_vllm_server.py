@@ -1,0 +1,406 @@
+"""``hf-spec-cotrain vllm-serve`` and its client: rollouts, weight updates as transactions, and their failures.
+
+One server for the whole module, started as a subprocess through the real console command on 127.0.0.1 (tiny
+Llama target, reduced-vocabulary draft "a") and always stopped at the end. Every test that changes the server's
+weights puts the originals back, and every refused update is followed by a check that the server still produces
+exactly the rollouts (tokens and speculative counters) it produced when it started.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from conftest import _hf_greedy, _tiny_prompts
+from safetensors.torch import save as save_safetensors
+from transformers import AutoModelForCausalLM
+
+from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
+from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
+from hf_spec_cotrain.generation.vllm_engine import RolloutOutput
+
+
+# Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.
+TRANSACTION_TIMEOUT = 5.0
+STARTUP_TIMEOUT = 300.0
+# The rollout every check compares: a short prompt and one longer than a KV block (a prefix-cache hit), kept light
+# because the module runs one on a loaded 2-core machine after every update.
+ROLLOUT_TOKENS = 16
+
+
+def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + scale * tensor.std() * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        if tensor.is_floating_point()
+        else tensor
+        for name, tensor in state_dict.items()
+    }
+
+
+# ------------------------------------------------------------------------------------------- no server
+
+
+def test_iter_chunks_groups_by_bytes_and_copies_shared_storage():
+    embed = torch.randn(10, 4)
+    tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(5, 4).T), ("embed", embed), ("tied", embed)]
+    tensors.append(("big", torch.randn(40)))
+    chunks = list(iter_chunks(tensors, chunk_bytes=40 * 4, device=torch.device("cpu")))
+    # 48 + 80 bytes fit in 160; the 160-byte embedding and its tied copy do not share a chunk with them.
+    assert [[name for name, _ in chunk] for chunk in chunks] == [["a", "b"], ["embed"], ["tied"], ["big"]]
+    for (name, tensor), (_, original) in zip([item for chunk in chunks for item in chunk], tensors):
+        assert tensor.is_contiguous() and torch.equal(tensor, original), name
+    together = list(iter_chunks(tensors[2:4], chunk_bytes=10**6, device=torch.device("cpu")))
+    assert len(together) == 1
+    (_, first), (_, second) = together[0]
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    save_safetensors(dict(together[0]))  # refuses tensors that share memory
+
+
+def test_weight_transactions_stage_replace_and_expire():
+    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
+    transactions = server_module.WeightTransactions(idle_timeout=0.2)
+    transaction = transactions.begin("policy", 4)
+    transactions.add_chunk(transaction.id, 0, {"x": torch.ones(2)}, 8)
+    transactions.add_chunk(transaction.id, 0, {"y": torch.ones(2)}, 8)  # a retry replaces the chunk
+    with pytest.raises(server_module.ServerError, match=r"Chunk 1 repeats tensors already staged: y \(chunk 0\)"):
+        transactions.add_chunk(transaction.id, 1, {"y": torch.zeros(2), "z": torch.zeros(1)}, 12)
+    transactions.add_chunk(transaction.id, 2, {"z": torch.zeros(1)}, 4)
+    with pytest.raises(server_module.ServerError, match=r"chunks \[1\] never arrived") as error:
+        transactions.get(transaction.id).merged(3)
+    assert error.value.status_code == 400
+    assert transactions.describe()[0]["chunks"] == [0, 2]
+    time.sleep(0.3)
+    assert transactions.describe() == []
+    with pytest.raises(server_module.ServerError, match="expired after 0.2 s") as error:
+        transactions.take(transaction.id)
+    assert error.value.status_code == 404
+    with pytest.raises(server_module.ServerError, match="No open transaction nope"):
+        transactions.abort("nope")
+
+
+def test_vllm_serve_options_become_engine_arguments():
+    args = VLLMServeScriptArguments(model="policy", draft="draft", dtype="bfloat16", llm_kwargs='{"block_size": 32}')
+    kwargs = vllm_serve_engine_kwargs(args)
+    assert kwargs["model"] == "policy" and kwargs["draft_model"] == "draft"
+    assert kwargs["dtype"] == "bfloat16" and kwargs["block_size"] == 32 and "max_model_len" not in kwargs
+    for llm_kwargs, message in [
+        ("{block_size: 32}", "not valid JSON"),
+        ("[32]", "must be a JSON object"),
+        ('{"dtype": "float16"}', "sets dtype, which this command sets itself"),
+        ('{"speculative_config": {}}', "sets speculative_config"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            vllm_serve_engine_kwargs(VLLMServeScriptArguments(model="p", dtype="float32", llm_kwargs=llm_kwargs))
+
+
+def test_client_names_the_server_it_cannot_reach():
+    port = _free_port()
+    client = VLLMServerClient(f"http://127.0.0.1:{port}", connect_timeout=1.0)
+    with pytest.raises(TimeoutError, match=rf"http://127.0.0.1:{port} was not ready within 0.5 s"):
+        client.wait_until_ready(timeout=0.5, poll_interval=0.1)
+    with pytest.raises(ValueError, match="chunk_bytes=0"):
+        client.update_policy([("x", torch.ones(1))], chunk_bytes=0)
+    with pytest.raises(NotImplementedError, match="needs a CUDA device"):
+        client.init_nccl(device="cpu")
+
+
+# ------------------------------------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    client: VLLMServerClient
+    target_dir: Path
+    drafts: dict[str, dict[str, torch.Tensor]]
+    prompts: list[list[int]]
+    fresh_greedy: RolloutOutput = field(init=False)
+
+    def __post_init__(self):
+        self.fresh_greedy = self.greedy()
+
+    def greedy(self) -> RolloutOutput:
+        return self.client.generate(self.prompts, max_tokens=ROLLOUT_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def hf_target(self):
+        return AutoModelForCausalLM.from_pretrained(self.target_dir)
+
+    def assert_unchanged(self, versions) -> None:
+        """Same weights versions, no transaction left open, and exactly the rollouts of a fresh server."""
+        assert self.client.weights_version() == versions
+        assert self.client._request("GET", "/weights/transactions")["transactions"] == []
+        again = self.greedy()
+        assert again.completion_ids == self.fresh_greedy.completion_ids
+        assert again.spec_decode == self.fresh_greedy.spec_decode
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (its own session), then SIGKILL if it has not exited within 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory) -> ServerHandle:
+    vllm_engine_pool.close()  # one vLLM engine at a time: the pool's in-process engine goes first
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    executable = Path(sys.executable).with_name("hf-spec-cotrain")
+    command = [str(executable)] if executable.exists() else [sys.executable, "-m", "hf_spec_cotrain.cli"]
+    command += [
+        "vllm-serve",
+        "--model",
+        str(tiny_llama_dir),
+        "--draft",
+        str(tiny_llama_drafts.folders["reduced", "a"]),
+        "--num_speculative_tokens",
+        "3",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max_model_len",
+        "256",
+        # Small KV blocks let the test prompts hit the prefix cache, which every update must reset.
+        "--llm_kwargs",
+        json.dumps({"block_size": 32}),
+        "--transaction_timeout",
+        str(TRANSACTION_TIMEOUT),
+        "--log_level",
+        "warning",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client = VLLMServerClient(f"http://127.0.0.1:{port}", timeout=120.0, connect_timeout=5.0)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vllm-serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                client.health()
+                break
+            except requests.ConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vllm-serve not ready in {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
+                time.sleep(0.5)
+        drafts = {name: tiny_llama_drafts.state_dicts["reduced", name] for name in ("a", "b")}
+        prompts = _tiny_prompts(tiny_llama_dir)
+        yield ServerHandle(client=client, target_dir=tiny_llama_dir, drafts=drafts, prompts=[prompts[0], prompts[-1]])
+    finally:
+        _stop(process)
+
+
+@pytest.mark.vllm
+def test_health_and_versions(server):
+    health = server.client.health()
+    assert health["status"] == "ok" and health["has_draft"] is True
+    versions = server.client.weights_version()
+    assert health["versions"] == {"policy": versions.policy, "draft": versions.draft}
+    assert server.fresh_greedy.versions == versions
+
+
+@pytest.mark.vllm
+def test_speculative_greedy_equals_hf_greedy(server):
+    fresh = server.fresh_greedy
+    assert fresh.completion_ids == _hf_greedy(server.hf_target(), server.prompts, ROLLOUT_TOKENS)
+    stats = fresh.spec_decode
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == 3 * stats.num_drafts
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens and len(stats.accepted_per_position) == 3
+    assert stats.acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
+    # The counters are those of one call: the same rollout again drafts and accepts the same tokens.
+    again = server.greedy()
+    assert again.completion_ids == fresh.completion_ids and again.spec_decode == fresh.spec_decode
+
+
+@pytest.mark.vllm
+def test_sampling_n_and_logprobs(server):
+    prompts = server.prompts
+    out = server.client.generate(prompts, max_tokens=8, temperature=1.0, n=2, seed=3, logprobs=True, ignore_eos=True)
+    assert len(out.completion_ids) == 4 and all(len(ids) == 8 for ids in out.completion_ids)
+    model = server.hf_target()
+    for index, (completion, logprobs) in enumerate(zip(out.completion_ids, out.logprobs)):
+        prompt = prompts[index // 2]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
+        reference = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.vllm
+def test_update_that_fails_in_vllm_is_rolled_back(server):
+    """Placed before any successful update: the rollback point is then the engine's own read-back weights."""
+    client = server.client
+    versions = client.weights_version()
+    # Right names and shapes, so it reaches vLLM; a NaN never reads back equal, so the readback check fails after
+    # every layer was replaced and the server must restore the previous weights.
+    poisoned = _perturbed(server.hf_target().state_dict(), seed=5)
+    poisoned["model.layers.5.mlp.down_proj.weight"][3, 7] = float("nan")
+    with pytest.raises(VLLMServerError, match=r"HTTP 500: .*policy.*model.layers.5.mlp.down_proj.weight") as error:
+        client.update_policy(poisoned.items())
+    assert f"restored the previous policy weights (version {versions.policy})" in str(error.value)
+    poisoned_draft = {name: tensor.clone() for name, tensor in server.drafts["b"].items()}
+    poisoned_draft["midlayer.mlp.down_proj.weight"][3, 7] = float("nan")
+    with pytest.raises(VLLMServerError, match=r"HTTP 500: .*midlayer.mlp.down_proj.weight \(\d+ of") as error:
+        client.update_draft(poisoned_draft.items())
+    assert f"restored the previous draft weights (version {versions.draft})" in str(error.value)
+    # The policy decides the tokens and the draft the counters: both are back exactly.
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_policy_update_in_chunks_changes_greedy_like_hf(server):
+    client = server.client
+    model = server.hf_target()
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    perturbed = _perturbed(original, seed=11)
+    model.load_state_dict(perturbed)
+    perturbed_greedy = _hf_greedy(model, server.prompts, ROLLOUT_TOKENS)
+    assert perturbed_greedy != server.fresh_greedy.completion_ids
+    before = client.weights_version()
+    try:
+        update = client.update_policy(perturbed.items(), chunk_bytes=200_000)
+        assert update.num_chunks > 3 and update.num_tensors == len(perturbed)
+        assert update.version == before.policy + 1 == client.weights_version().policy
+        out = server.greedy()
+        assert out.completion_ids == perturbed_greedy
+        assert out.versions.policy == update.version
+    finally:
+        restored = client.update_policy(original.items(), version=before.policy)
+    assert restored.num_chunks == 1
+    server.assert_unchanged(before)
+
+
+@pytest.mark.vllm
+def test_draft_update_changes_counters_and_pushing_back_restores_them(server):
+    client = server.client
+    before = client.weights_version()
+    try:
+        update = client.update_draft(server.drafts["b"].items(), chunk_bytes=100_000)
+        assert update.num_chunks > 1 and update.version == before.draft + 1
+        with_b = server.greedy()
+        # Speculation is lossless, and draft B accepts differently from A: the comparison below has teeth.
+        assert with_b.completion_ids == server.fresh_greedy.completion_ids
+        assert with_b.spec_decode != server.fresh_greedy.spec_decode
+        assert with_b.versions.draft == update.version
+    finally:
+        client.update_draft(server.drafts["a"].items(), version=before.draft)
+    # Draft A pushed over B accepts exactly as the server that loaded A from its folder.
+    server.assert_unchanged(before)
+
+
+@pytest.mark.vllm
+def test_updates_with_wrong_names_or_shapes_are_refused(server):
+    client = server.client
+    versions = client.weights_version()
+    policy = server.hf_target().state_dict()
+    wrong_shape = {**policy, "model.layers.2.self_attn.k_proj.weight": torch.randn(32, 128)}
+    with pytest.raises(
+        VLLMServerError, match=r"k_proj.weight has shape \[32, 128\], vLLM expects \[64, 128\]"
+    ) as error:
+        client.update_policy(wrong_shape.items(), chunk_bytes=100_000)
+    assert error.value.status_code == 400 and "/chunks/" in str(error.value)  # refused on arrival, not at commit
+    missing = {name: tensor for name, tensor in policy.items() if name != "model.layers.4.mlp.up_proj.weight"}
+    with pytest.raises(VLLMServerError, match=r"HTTP 400: .*missing: model.layers.4.mlp.up_proj.weight"):
+        client.update_policy(missing.items())
+    unknown = [*server.drafts["b"].items(), ("embed_tokens.weight", policy["model.embed_tokens.weight"])]
+    with pytest.raises(VLLMServerError, match=r"HTTP 400: .*no draft parameter in vLLM for: embed_tokens.weight"):
+        client.update_draft(unknown)
+    with pytest.raises(VLLMServerError, match=r"HTTP 422: Invalid request: body.target"):
+        client._request("POST", "/weights/transactions", json={"target": "lm_head"})
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_truncated_corrupt_and_incomplete_uploads_are_refused(server):
+    client = server.client
+    versions = client.weights_version()
+    draft = server.drafts["b"]
+    data = save_safetensors(dict(draft))
+    transaction = client._request("POST", "/weights/transactions", json={"target": "draft"})["transaction_id"]
+    chunk_url = f"{client.base_url}/weights/transactions/{transaction}/chunks"
+
+    def put(index: int, body: bytes, **headers) -> requests.Response:
+        return client.session.put(f"{chunk_url}/{index}", data=body, headers=headers, timeout=30)
+
+    truncated = put(0, data[:-7], **{SHA256_HEADER: hashlib.sha256(data).hexdigest()})
+    assert truncated.status_code == 400 and "SHA-256" in truncated.json()["error"]
+    unchecked = put(0, data[:-7])
+    assert unchecked.status_code == 400 and "is not a valid safetensors file" in unchecked.json()["error"]
+    assert put(0, b"").status_code == 400
+    # Half of the tensors in chunk 0, the rest in chunk 2: chunk 1 never arrives.
+    names = sorted(draft)
+    assert put(0, save_safetensors({name: draft[name] for name in names[:3]})).ok
+    assert put(2, save_safetensors({name: draft[name] for name in names[3:]})).ok
+    repeated = put(1, save_safetensors({names[0]: draft[names[0]]}))
+    assert repeated.status_code == 400 and f"{names[0]} (chunk 0)" in repeated.json()["error"]
+    with pytest.raises(VLLMServerError, match=r"HTTP 400: Transaction .* is incomplete: chunks \[1\] never arrived"):
+        client._request("POST", f"/weights/transactions/{transaction}/commit", json={"num_chunks": 3})
+    # The refused commit discarded the transaction.
+    assert put(1, save_safetensors({names[0]: draft[names[0]]})).status_code == 404
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_abandoned_transaction_is_discarded(server):
+    client = server.client
+    versions = client.weights_version()
+    transaction = client._request("POST", "/weights/transactions", json={"target": "policy"})["transaction_id"]
+    embed = server.hf_target().state_dict()["model.embed_tokens.weight"]
+    client._request(
+        "PUT",
+        f"/weights/transactions/{transaction}/chunks/0",
+        data=save_safetensors({"model.embed_tokens.weight": embed}),
+    )
+    listed = client._request("GET", "/weights/transactions")["transactions"]
+    assert [(entry["transaction_id"], entry["chunks"]) for entry in listed] == [(transaction, [0])]
+    time.sleep(TRANSACTION_TIMEOUT + 1.0)
+    with pytest.raises(VLLMServerError, match=r"HTTP 404: Transaction .* expired after 5 s"):
+        client._request("POST", f"/weights/transactions/{transaction}/commit", json={"num_chunks": 1})
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_update_interrupted_on_the_trainer_side_is_aborted(server):
+    client = server.client
+    versions = client.weights_version()
+
+    def tensors_then_crash():
+        yield from list(server.drafts["b"].items())[:4]
+        raise RuntimeError("trainer crashed while producing the draft weights")
+
+    with pytest.raises(RuntimeError, match="trainer crashed"):
+        client.update_draft(tensors_then_crash(), chunk_bytes=1)
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_bad_generate_requests_are_refused_clearly(server):
+    client = server.client
+    with pytest.raises(VLLMServerError, match=r"HTTP 400: Bad generate request: prompt_token_ids is empty"):
+        client.generate([], max_tokens=4)
+    with pytest.raises(VLLMServerError, match=r"HTTP 422: Invalid request: body.max_tokens"):
+        client.generate(server.prompts[:1], max_tokens=0)
+    with pytest.raises(VLLMServerError, match=r"HTTP 400: Bad generate request: .*no_such_option"):
+        client.generate(server.prompts[:1], max_tokens=4, no_such_option=1)
+    assert client.health()["status"] == "ok"
