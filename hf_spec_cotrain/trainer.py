@@ -281,8 +281,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             policy_folder = Path(args.output_dir) / "rollout_policy_init"
             self._policy().save_pretrained(policy_folder)
             self._tokenizer.save_pretrained(policy_folder)
+        # The engine starts from a bootstrap draft and gets the real weights at its first sync. Its lm_head must
+        # differ from the policy's, or vLLM would share the two and the draft's own head could never be synced.
         draft_folder = Path(args.output_dir) / "rollout_draft_init"
-        self.draft.save_pretrained(draft_folder)
+        bootstrap = {**self.draft.state_dict(), "lm_head.weight": -self.draft.lm_head.weight.detach()}
+        self.draft.save_pretrained(draft_folder, state_dict=bootstrap)
         draft_sample_method, rejection_sample_method = self._vllm_sampling_methods()
         return VLLMRolloutEngine(
             policy_folder,

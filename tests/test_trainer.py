@@ -1,5 +1,6 @@
 """SpecCoTrainGRPOTrainer: co-training inside TRL's GRPO step, on tiny CPU models."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -246,3 +247,39 @@ def test_config_rejects_bad_values(tmp_path):
         _config(tmp_path, repetition_penalty=1.2)
     with pytest.raises(ValueError, match="SpecCoTrainConfig"):
         SpecCoTrainGRPOTrainer(model="x", reward_funcs=upper_reward, args=GRPOConfig(**_grpo_kwargs(tmp_path)))
+
+
+def test_lora_policy_taps_adapted_model_and_rollouts_get_merged_weights(policy_dir, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = _trainer(policy_dir, _config(tmp_path, max_steps=2, learning_rate=5e-2), peft_config=lora)
+    base_before = {k: v for k, v in _state(trainer.model).items() if "lora_" not in k}
+    draft_before = _state(trainer.draft)
+    trainer.train()
+    after = _state(trainer.model)
+    assert all(torch.equal(after[k], v) for k, v in base_before.items())  # only the adapters train
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in after.items())
+    assert any(not torch.equal(v, draft_before[k]) for k, v in _state(trainer.draft).items())
+
+    # Taps come from the adapted forward: they equal the PEFT model's own hidden states.
+    from hf_spec_cotrain.taps import TapRecorder
+
+    ids = torch.randint(4, 60, (2, 9))
+    with TapRecorder(trainer.model, trainer.aux_layer_ids) as recorder, recorder.capture(), torch.no_grad():
+        hidden = trainer.model(input_ids=ids, output_hidden_states=True).hidden_states
+    taps = recorder.pop().aux_hidden_states
+    torch.testing.assert_close(taps, torch.cat([hidden[a] for a in trainer.aux_layer_ids], -1), rtol=0, atol=0)
+
+    # The rollout engine gets the merged weights, under the policy's own HF names.
+    with trainer._policy_weights_for_rollout() as weights:
+        merged = {name: tensor.clone() for name, tensor in weights}
+    reference = copy.deepcopy(trainer.model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, msg=name)
+    assert any(
+        not torch.equal(merged[k], base_before[f"base_model.model.{k}".replace(".weight", ".base_layer.weight")])
+        for k in merged
+        if "q_proj" in k
+    )

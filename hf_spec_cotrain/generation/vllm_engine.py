@@ -224,6 +224,12 @@ class _ModelLayout:
         problems = []
         if unknown:
             problems.append(f"no {what} parameter in vLLM for: {', '.join(unknown)}")
+            if what == _DRAFT and "lm_head.weight" in unknown:
+                problems.append(
+                    "vLLM shares the target's lm_head with a draft whose lm_head equals the target's when the engine "
+                    "starts (a full-vocabulary draft fresh from `from_target`), so it cannot be synced on its own: "
+                    "start the engine from a draft folder whose lm_head differs"
+                )
         if duplicated:
             problems.append(f"given more than once: {', '.join(duplicated)}")
         missing = [

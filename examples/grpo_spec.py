@@ -1,0 +1,484 @@
+# Run: accelerate launch examples/grpo_spec.py [options]      (or: python examples/grpo_spec.py [options])
+"""GRPO with an EAGLE-3 draft co-trained online, and speculative rollouts that track the moving policy.
+
+With no options this runs the *embedded default* end to end on a CPU in about 15 minutes:
+
+1. a small policy is built and supervised-trained locally on a synthetic task (cached after the first run):
+   continue a letter sequence drawn from a fixed random Markov chain over ``abcdefgh``;
+2. a draft is warm-started offline (`hf_spec_cotrain.train_draft`) on that policy's own samples (cached);
+3. GRPO rewards completions rich in the letters ``efgh``. The reward is verifiable and hard to game: a
+   completion must also be exactly 24 letters, use at least 5 different letters and never repeat a letter 3 times
+   in a row, so the policy's distribution moves a lot without collapsing. The draft is co-trained every step and
+   the rollouts use it; at every logging step the acceptance length of the co-trained draft and of a frozen copy
+   of the warm-start draft are measured on the same prompts with the same sampling seed;
+4. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the reward curve that
+   speculation must not change.
+
+It prints a table and writes a CSV, a PNG plot and the co-trained draft (vLLM-loadable, with its model card)
+into ``--output_dir``; ``--push_to_hub`` pushes the draft. With ``--model_name_or_path``, ``--dataset_name``
+(a ``prompt`` column) and ``--reward_funcs`` the same script co-trains a draft for your own policy; add
+``--use_vllm`` for vLLM rollouts on GPU.
+"""
+
+import copy
+import csv
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_dataset
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOTrainer, TrlParser
+from trl.trainer.utils import pad
+
+from hf_spec_cotrain import (
+    DraftTrainingConfig,
+    Eagle3DraftModel,
+    SpecCoTrainConfig,
+    SpecCoTrainGRPOTrainer,
+    speculative_generate,
+    train_draft,
+)
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
+
+
+@dataclass
+class ScriptArguments:
+    r"""What to train and how to report it; every training option is a [`SpecCoTrainConfig`] field."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Policy (Hub id or folder). Unset: the embedded default, a small policy trained locally."},
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Prompts: a Hub dataset or local path with a 'prompt' column."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "Dataset split."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["letters"],
+        metadata={"help": "Reward functions: 'letters' (the embedded task) or 'module.path:function'."},
+    )
+    cache_dir: str = field(
+        default="~/.cache/hf_spec_cotrain/grpo_spec",
+        metadata={"help": "Where the embedded policy and warm-start draft are cached."},
+    )
+    sft_seconds: float = field(default=150.0, metadata={"help": "Supervised training of the embedded policy."})
+    warm_start_seconds: float = field(default=90.0, metadata={"help": "Offline warm start of the embedded draft."})
+    baseline: bool = field(default=True, metadata={"help": "Also run the same GRPO without speculation."})
+    probe_prompts: int = field(
+        default=32, metadata={"help": "Prompts of the co-trained vs frozen draft probe (0 disables it)."}
+    )
+
+
+# ------------------------------------------------------------------------------------------- the synthetic task
+LETTERS = "abcdefgh"
+REWARDED_LETTERS = set("efgh")
+SEED_LENGTH, COMPLETION_LENGTH = 4, 24
+TASK_SEED = 0
+
+
+def markov_chain() -> torch.Tensor:
+    """Transition probabilities of the task's letter sequences, ``[8, 8]`` (row: current letter)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TASK_SEED)
+        return torch.distributions.Dirichlet(torch.full((len(LETTERS),), 0.7)).sample((len(LETTERS),))
+
+
+def sample_letters(chain: torch.Tensor, count: int, length: int, generator: torch.Generator) -> list[str]:
+    current = torch.randint(0, len(LETTERS), (count,), generator=generator)
+    rows = [current]
+    for _ in range(length - 1):
+        current = torch.multinomial(chain[current], 1, generator=generator).squeeze(1)
+        rows.append(current)
+    return ["".join(LETTERS[i] for i in seq) for seq in torch.stack(rows, 1).tolist()]
+
+
+def letters(completions, **kwargs) -> list[float]:
+    """Fraction of e/f/g/h letters, for a well-formed completion (24 letters, >= 5 distinct, no triple repeats)."""
+    rewards = []
+    for text in completions:
+        valid = (
+            len(text) == COMPLETION_LENGTH
+            and set(text) <= set(LETTERS)
+            and len(set(text)) >= 5
+            and not any(text[i] == text[i + 1] == text[i + 2] for i in range(len(text) - 2))
+        )
+        rewards.append(sum(ch in REWARDED_LETTERS for ch in text) / COMPLETION_LENGTH if valid else 0.0)
+    return rewards
+
+
+REWARDS = {"letters": letters}
+
+
+def load_reward(name: str):
+    if name in REWARDS:
+        return REWARDS[name]
+    module, _, function = name.partition(":")
+    if not function:
+        raise ValueError(f"Reward {name!r} is neither one of {sorted(REWARDS)} nor 'module.path:function'.")
+    return getattr(importlib.import_module(module), function)
+
+
+def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dataset]:
+    """The embedded policy and its warm-start draft (built once, then cached) and the GRPO prompts."""
+    chain = markov_chain()
+    generator = torch.Generator().manual_seed(seed)
+    prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
+    settings = {"version": 1, "sft_seconds": script.sft_seconds, "warm_start_seconds": script.warm_start_seconds}
+    root = Path(script.cache_dir).expanduser() / "embedded"
+    policy_dir, draft_dir, manifest = root / "policy", root / "draft", root / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()) == settings:
+        print(f"[grpo_spec] embedded policy and warm-start draft from the cache: {root}")
+        return policy_dir, draft_dir, prompts
+    tokenizer = build_char_tokenizer(alphabet=LETTERS + ":")
+    policy = supervised_policy(tokenizer, chain, script.sft_seconds, seed)
+    policy.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    # The draft learns from what the policy actually writes.
+    samples = generate_texts(policy, tokenizer, prompts["prompt"][:768], temperature=1.0)
+    draft_config = DraftTrainingConfig(
+        output_dir=str(draft_dir),
+        max_time_s=script.warm_start_seconds,
+        max_steps=100_000,
+        batch_size=32,
+        max_length=64,
+        learning_rate=2e-3,
+        warmup_steps=20,
+        eval_steps=100,
+        seed=seed,
+    )
+    result = train_draft(policy, tokenizer, Dataset.from_dict({"text": samples}), draft_config)
+    print(f"[grpo_spec] warm-start draft: {result.steps} steps, held-out {result.history[-1]}")
+    manifest.write_text(json.dumps(settings))
+    return policy_dir, draft_dir, prompts
+
+
+def supervised_policy(tokenizer, chain: torch.Tensor, seconds: float, seed: int):
+    """A tiny Llama trained to continue the chain's sequences (prompt: 4 letters and ':', then 24 letters)."""
+    policy = build_tiny_target(
+        "llama",
+        num_layers=8,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        tokenizer=tokenizer,
+        seed=seed,
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.0)
+    started, step = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        texts = sample_letters(chain, 64, SEED_LENGTH + COMPLETION_LENGTH, generator)
+        ids = [
+            tokenizer(t[:SEED_LENGTH] + ":" + t[SEED_LENGTH:], add_special_tokens=False)["input_ids"]
+            + [tokenizer.eos_token_id]
+            for t in texts
+        ]
+        batch = torch.tensor(ids)
+        loss = policy(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % 50 == 0:
+            print(f"[grpo_spec] supervised step {step}: loss {loss.item():.3f}")
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    return policy.eval()
+
+
+@torch.no_grad()
+def generate_texts(policy, tokenizer, prompts: list[str], *, temperature: float) -> list[str]:
+    encoded = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
+    out = policy.generate(
+        **encoded,
+        do_sample=True,
+        temperature=temperature,
+        max_new_tokens=COMPLETION_LENGTH + 1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    completions = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [p + c for p, c in zip(prompts, completions)]
+
+
+# ----------------------------------------------------------------------------------------- measuring the run
+class DriftProbe(TrainerCallback):
+    """At every logging step: acceptance of the co-trained and of the frozen warm-start draft on the same prompts
+    and seed, KL of the policy from its initial self on those rollouts, and how varied the rollouts are."""
+
+    def __init__(self, trainer: SpecCoTrainGRPOTrainer, prompts: list[str], num_speculative_tokens: int):
+        self.trainer = trainer
+        self.frozen_draft = _copy_draft(trainer.draft)
+        self.initial_policy = _copy_policy(trainer)
+        tokenizer = trainer.processing_class
+        ids = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        self.input_ids = pad(ids, padding_value=tokenizer.pad_token_id, padding_side="left")
+        self.attention_mask = pad([torch.ones_like(t) for t in ids], padding_value=0, padding_side="left")
+        self.k = num_speculative_tokens
+        self.rows: list[dict] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._probe(0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.logging_steps == 0 or state.global_step == state.max_steps:
+            self._probe(state.global_step)
+
+    @torch.no_grad()
+    def _probe(self, step: int) -> None:
+        if not self.trainer.accelerator.is_main_process:
+            return
+        policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        device = next(policy.parameters()).device
+        args = self.trainer.args
+        row = {"step": step}
+        for name, draft in (("cotrained", self.trainer.draft), ("frozen", self.frozen_draft)):
+            out = speculative_generate(
+                policy,
+                draft,
+                self.input_ids.to(device),
+                self.attention_mask.to(device),
+                max_new_tokens=args.max_completion_length,
+                num_speculative_tokens=self.k,
+                do_sample=True,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k or 0,
+                draft_sampling=args.draft_sampling,
+                generator=torch.Generator(device).manual_seed(1000 + step),
+            )
+            row[f"acceptance_{name}"] = out.acceptance_length
+            if name == "cotrained":
+                sequences = out.sequences
+        row.update(self._drift(policy, sequences))
+        self.rows.append(row)
+        print(
+            f"[grpo_spec] step {step}: acceptance co-trained {row['acceptance_cotrained']:.2f} / frozen "
+            f"{row['acceptance_frozen']:.2f}, KL from initial {row['kl_from_initial']:.3f}"
+        )
+
+    def _drift(self, policy, sequences: torch.Tensor) -> dict:
+        prompt_length = self.input_ids.shape[1]
+        tokenizer = self.trainer.processing_class
+        completion = sequences[:, prompt_length:]
+        real = completion != tokenizer.pad_token_id
+        mask = torch.cat([self.attention_mask.to(sequences.device), real.long()], 1)
+        was_training = policy.training
+        policy.eval()
+        logits_now = policy(input_ids=sequences, attention_mask=mask).logits[:, prompt_length - 1 : -1]
+        logits_then = self.initial_policy(input_ids=sequences, attention_mask=mask).logits[:, prompt_length - 1 : -1]
+        policy.train(was_training)
+        log_now, log_then = logits_now.float().log_softmax(-1), logits_then.float().log_softmax(-1)
+        kl = (log_now.exp() * (log_now - log_then)).sum(-1)
+        texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
+        grams = [text[i : i + 4] for text in texts for i in range(len(text) - 3)]
+        return {
+            "kl_from_initial": float(kl[real].mean()),
+            "distinct_4grams": len(set(grams)) / max(len(grams), 1),
+        }
+
+
+def _copy_draft(draft: Eagle3DraftModel) -> Eagle3DraftModel:
+    frozen = Eagle3DraftModel(draft.config).to(draft.fc.weight.device)
+    frozen.load_state_dict(draft.state_dict())
+    frozen.__dict__["_target_embedding"] = draft.target_embedding  # same (policy's) embedding, as vLLM shares it
+    return frozen.eval().requires_grad_(False)
+
+
+def _copy_policy(trainer):
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    initial = type(policy)(policy.config).to(next(policy.parameters()).device)
+    initial.load_state_dict(policy.state_dict())
+    return initial.eval().requires_grad_(False)
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput."""
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        started = time.perf_counter()
+        completions, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        tokens = sum(map(len, completions))
+        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"].append(
+            tokens / (time.perf_counter() - started)
+        )
+        return completions, logprobs
+
+
+# --------------------------------------------------------------------------------------------------- the run
+EMBEDDED_DEFAULTS = dict(
+    output_dir="outputs/grpo_spec",
+    per_device_train_batch_size=16,
+    num_generations=8,
+    max_completion_length=COMPLETION_LENGTH + 1,
+    max_steps=120,
+    learning_rate=2e-4,
+    lr_scheduler_type="constant",
+    beta=0.0,
+    temperature=1.0,
+    logging_steps=10,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+    draft_learning_rate=5e-4,
+    draft_warmup_steps=10,
+    num_speculative_tokens=3,
+)
+
+
+def make_parser() -> TrlParser:
+    return TrlParser((ScriptArguments, SpecCoTrainConfig))
+
+
+def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
+    parser = make_parser()
+    embedded = "--model_name_or_path" not in argv and not any(a.startswith("--model_name_or_path=") for a in argv)
+    if embedded:
+        parser.set_defaults(**EMBEDDED_DEFAULTS)
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        parser.set_defaults(use_cpu=True, bf16=False)
+    script, config = parser.parse_args_and_config(argv)
+    config.push_draft_to_hub = config.push_draft_to_hub or config.push_to_hub
+    config.push_to_hub = False  # the draft is what this example publishes
+    return script, config
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    script, config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    started = time.perf_counter()
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if script.model_name_or_path is None:
+        policy_dir, draft_dir, dataset = embedded_assets(script, config.seed)
+        model, tokenizer = str(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
+        if config.draft_model_name_or_path is None:
+            config.draft_model_name_or_path = str(draft_dir)
+        probe_prompts = dataset["prompt"][-script.probe_prompts :] if script.probe_prompts else []
+    else:
+        if script.dataset_name is None:
+            raise ValueError(
+                "`--dataset_name` is required with `--model_name_or_path` (a dataset with a prompt column)."
+            )
+        model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
+        dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
+        probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
+    reward_funcs = [load_reward(name) for name in script.reward_funcs]
+
+    trainer = SpecCoTrainGRPOTrainer(
+        model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
+    probe = DriftProbe(trainer, probe_prompts, config.num_speculative_tokens) if probe_prompts else None
+    if probe is not None:
+        trainer.add_callback(probe)
+    trainer.train()
+    history = trainer.state.log_history
+
+    baseline_history = []
+    if script.baseline:
+        baseline_config = copy.deepcopy(config)
+        baseline_config.output_dir = str(output_dir / "baseline")
+        baseline = TimedGRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=baseline_config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        baseline.train()
+        baseline_history = baseline.state.log_history
+
+    rows = report(history, baseline_history, probe.rows if probe else [], output_dir)
+    print(
+        f"[grpo_spec] done in {time.perf_counter() - started:.0f} s; draft with model card in "
+        f"{output_dir / 'draft'}; table in {output_dir / 'results.csv'}, plot in {output_dir / 'results.png'}"
+    )
+    return rows
+
+
+def report(history: list[dict], baseline_history: list[dict], probes: list[dict], output_dir: Path) -> list[dict]:
+    """Join the logs by step; print the table, write results.csv and results.png."""
+    by_step: dict[int, dict] = {}
+    for entry in history:
+        if "reward" in entry:
+            by_step.setdefault(entry["step"], {}).update(
+                {
+                    "reward_spec": entry["reward"],
+                    "acceptance_rollouts": entry.get("spec/acceptance_length", math.nan),
+                    "tokens_per_s_spec": entry.get("spec/tokens_per_second", math.nan),
+                }
+            )
+    for entry in baseline_history:
+        if "reward" in entry:
+            by_step.setdefault(entry["step"], {}).update(
+                {
+                    "reward_plain": entry["reward"],
+                    "tokens_per_s_plain": entry.get("rollout/tokens_per_second", math.nan),
+                }
+            )
+    for probe in probes:
+        by_step.setdefault(probe["step"], {}).update({k: v for k, v in probe.items() if k != "step"})
+    columns = [
+        "step",
+        "reward_spec",
+        "reward_plain",
+        "acceptance_cotrained",
+        "acceptance_frozen",
+        "acceptance_rollouts",
+        "tokens_per_s_spec",
+        "tokens_per_s_plain",
+        "kl_from_initial",
+        "distinct_4grams",
+    ]
+    rows = [{"step": step, **{c: by_step[step].get(c, math.nan) for c in columns[1:]}} for step in sorted(by_step)]
+    with open(output_dir / "results.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    header = "".join(f"{c:>22}" if i else f"{c:>6}" for i, c in enumerate(columns))
+    print("\n" + header)
+    for row in rows:
+        print("".join(f"{row[c]:>22.3f}" if i else f"{row[c]:>6d}" for i, c in enumerate(columns)))
+    plot(rows, output_dir / "results.png")
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[grpo_spec] matplotlib is not installed: no plot (pip install matplotlib).")
+        return
+    steps = [row["step"] for row in rows]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for key, label in (("reward_spec", "with speculation"), ("reward_plain", "without speculation")):
+        axes[0].plot(steps, [row[key] for row in rows], marker="o", label=label)
+    axes[0].set(title="reward", xlabel="step")
+    for key, label in (("acceptance_cotrained", "co-trained draft"), ("acceptance_frozen", "frozen warm-start draft")):
+        axes[1].plot(steps, [row[key] for row in rows], marker="o", label=label)
+    axes[1].set(title="acceptance length (same prompts, same seed)", xlabel="step")
+    axes[2].plot(steps, [row["kl_from_initial"] for row in rows], marker="o", color="tab:red")
+    axes[2].set(title="KL(policy || initial policy) per token", xlabel="step")
+    for axis in axes[:2]:
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

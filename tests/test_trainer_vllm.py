@@ -1,0 +1,88 @@
+"""SpecCoTrainGRPOTrainer with speculative vLLM rollouts (colocated engine), on tiny CPU models."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
+from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+
+
+pytestmark = pytest.mark.vllm
+PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
+
+
+def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool):
+    vllm_engine_pool.close()  # one engine at a time: the trainer builds its own
+    policy_dir = save_tiny_target(
+        tmp_path / "policy",
+        "llama",
+        num_layers=8,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+    )
+    config = SpecCoTrainConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        seed=5,
+        learning_rate=1e-3,
+        draft_learning_rate=1e-3,
+        draft_warmup_steps=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128,
+    )
+    trainer = SpecCoTrainGRPOTrainer(
+        model=str(policy_dir),
+        reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=build_char_tokenizer(),
+    )
+    engine = trainer.rollout_engine
+    try:
+        assert engine is not None and engine.has_draft
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
+        assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
+
+        # A rollout after the last updates syncs them; the engine then holds exactly the trainer's weights.
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
+        trainer.state.global_step += 1
+        trainer._engine_single_turn(prompt_ids)
+        with trainer._policy_weights_for_rollout() as weights:
+            engine.verify_policy(weights)
+        engine.verify_draft(trainer.draft.state_dict().items())
+
+        # Same draft, same prompts, greedy: vLLM accepts exactly what the HF-native generator accepts.
+        vllm_out = engine.generate(prompt_ids, max_tokens=12, temperature=0.0)
+        policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+        hf_drafts = hf_accepted = 0
+        for ids, completion in zip(prompt_ids, vllm_out.completion_ids):
+            out = speculative_generate(
+                policy,
+                trainer.draft,
+                torch.tensor([ids]),
+                max_new_tokens=12,
+                num_speculative_tokens=config.num_speculative_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            assert out.sequences[0, len(ids) :].tolist()[: len(completion)] == completion
+            hf_drafts += out.num_drafts
+            hf_accepted += out.num_accepted_tokens
+        assert (vllm_out.spec_decode.num_drafts, vllm_out.spec_decode.num_accepted_tokens) == (hf_drafts, hf_accepted)
+    finally:
+        engine.close()
