@@ -32,6 +32,7 @@ from trl.trainer.utils import pad
 
 from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
+from .generation.client import VLLMServerClient
 from .generation.speculative import speculative_generate
 from .hub import push_draft_folder, render_draft_card
 from .taps import TapRecorder, Taps
@@ -267,15 +268,16 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ speculative rollouts
 
     def _build_rollout_engine(self):
-        """The colocated vLLM engine (policy + draft) that speculative vLLM rollouts use."""
+        """The vLLM engine (policy + draft) of speculative vLLM rollouts: colocated in this process, or a client of
+        an ``hf-spec-cotrain vllm-serve`` server (``vllm_mode="server"``)."""
+        args = self.args
+        if args.vllm_mode == "server":
+            base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            client = VLLMServerClient(base_url, timeout=max(args.vllm_server_timeout, 600.0))
+            client.wait_until_ready(timeout=args.vllm_server_timeout)
+            return client
         from .generation.vllm_engine import VLLMRolloutEngine
 
-        args = self.args
-        if args.vllm_mode != "colocate":
-            raise NotImplementedError(
-                f"vllm_mode={args.vllm_mode!r} with speculative decoding is not supported yet; use "
-                "vllm_mode='colocate'."
-            )
         policy_folder = Path(self._policy().config._name_or_path or "")
         if not (policy_folder / "config.json").exists():  # a model built in memory: vLLM needs a folder
             policy_folder = Path(args.output_dir) / "rollout_policy_init"
@@ -333,12 +335,25 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         finally:
             model.unmerge_adapter()
 
+    def _sync_rollout_engine(self) -> None:
+        """Push this step's policy and draft: in place into the colocated engine, or to the shared server (once,
+        from the main process, one transaction each)."""
+        engine = self.rollout_engine
+        if isinstance(engine, VLLMServerClient):
+            if self.accelerator.is_main_process:
+                with self._policy_weights_for_rollout() as weights:
+                    engine.update_policy(weights)
+                engine.update_draft(self.draft.state_dict().items())
+            self.accelerator.wait_for_everyone()
+            return
+        with self._policy_weights_for_rollout() as weights:
+            engine.sync_policy(weights)
+        engine.sync_draft(self.draft.state_dict().items())
+
     def _engine_single_turn(self, prompt_ids):
         engine = self.rollout_engine
         if self.state.global_step != self._engine_synced_step:
-            with self._policy_weights_for_rollout() as weights:
-                engine.sync_policy(weights)
-            engine.sync_draft(self.draft.state_dict().items())
+            self._sync_rollout_engine()
             self._engine_synced_step = self.state.global_step
         started = time.perf_counter()
         out = engine.generate(

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import branch_attention
 from .attention.masks import document_ids, positions_in_document
 from .draft import Eagle3DraftModel
+from .parallel.context_parallel import ZigzagHalo
 
 
 DEFAULT_STEP_WEIGHT_DECAY = 0.8
@@ -44,6 +46,7 @@ def ttt_loss(
     position_ids: torch.Tensor | None = None,
     ttt_steps: int = 3,
     step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> TTTOutput:
     r"""
     The K-step TTT loss: ``sum_d w_d * mean_{counted}(-sum p_teacher log q_draft)`` with ``w_d = decay**d``.
@@ -56,12 +59,21 @@ def ttt_loss(
             them from the policy's own forward) or as ids embedded through the draft's bound target.
         loss_mask: ``[B, L]``, True where *predicting* token ``x_t`` counts (e.g. completion tokens).
             Defaults to every token.
-        attention_mask: ``[B, L]`` padding mask (left or right padded rows); the rows are packed into one
-            sequence of documents. Exclusive with ``cu_seqlens``.
+        attention_mask: ``[B, L]`` padding mask of rows whose real tokens are contiguous (left and/or right
+            padding, as TRL lays out prompt + completion). Each row is shifted so its tokens start at position
+            0, which keeps rows apart without packing them. Exclusive with ``cu_seqlens``.
         cu_seqlens: packed document boundaries ``[0, ..., L]`` (B must be 1).
         position_ids: ``[B, L]`` RoPE positions of step 0; default: offsets within each document.
         ttt_steps: K, the number of unrolled steps (>= 1).
         step_weight_decay: ``w_d = step_weight_decay ** d``.
+        cp_group: context-parallel group. With a world size W > 1, every ``[B, L, ...]`` input is this rank's
+            zigzag shard along L (``hf_spec_cotrain.parallel.zigzag_shard``; documents padded to multiples of 2W
+            with ``pad_documents``), ``cu_seqlens`` stays global, default position ids follow the global
+            layout, and the shifts fetch their few positions from neighbouring ranks. ``loss`` is then this
+            rank's share of the single-device loss (normalised by the global number of counted positions):
+            after ``loss.backward()`` on every rank, SUM the draft's gradients over the group
+            (``hf_spec_cotrain.parallel.all_reduce_gradients``) to get the single-device gradient. The metrics
+            are global.
     """
     if isinstance(ttt_steps, bool) or not isinstance(ttt_steps, int) or ttt_steps < 1:
         raise ValueError(f"`ttt_steps`={ttt_steps!r} is not allowed: the draft is unrolled for an int >= 1 steps.")
@@ -87,20 +99,43 @@ def ttt_loss(
             f"{draft.config.draft_vocab_size} (restrict the teacher with the draft's `draft_to_target_ids`)."
         )
 
+    context_parallel = cp_group is not None and dist.get_world_size(cp_group) > 1
+    if context_parallel and attention_mask is not None:
+        raise ValueError(
+            "`attention_mask` is not supported with `cp_group`: pack the rows as documents (`cu_seqlens`), pad them "
+            "with `hf_spec_cotrain.parallel.pad_documents` and shard them with `zigzag_shard` first."
+        )
     if attention_mask is not None:
         if cu_seqlens is not None:
             raise ValueError("Pass `attention_mask` (padded rows) or `cu_seqlens` (packed documents), not both.")
-        (aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids), cu_seqlens = pack_padded_rows(
+        (aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids), real = left_align_rows(
             attention_mask, aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids
         )
+        loss_mask = loss_mask & real
         batch, length = input_embeds.shape[:2]
 
-    doc_end = _document_end(cu_seqlens, batch, length, input_embeds.device)
+    if context_parallel:
+        if cu_seqlens is not None and batch != 1:
+            raise ValueError(f"Packed documents (`cu_seqlens`) need batch size 1; got {batch}.")
+        shifts = ZigzagHalo(
+            group=cp_group, local_length=length, halo=ttt_steps + 1, cu_seqlens=cu_seqlens, device=input_embeds.device
+        )
+    else:
+        shifts = _DocumentShifts(_document_end(cu_seqlens, batch, length, input_embeds.device))
     if position_ids is None:
-        base = positions_in_document(cu_seqlens) if cu_seqlens is not None else torch.arange(length)
+        if context_parallel:
+            base = shifts.position_ids
+        else:
+            base = positions_in_document(cu_seqlens) if cu_seqlens is not None else torch.arange(length)
         position_ids = base.to(input_embeds.device).expand(batch, length)
 
-    counted_tokens = loss_mask.to(torch.bool)
+    embeds_source, teacher_source = shifts.extend(input_embeds), shifts.extend(teacher_logits)
+    counted_source = shifts.extend(loss_mask.to(torch.bool))
+    counted_steps = [shifts.shift(counted_source, 2 + step) for step in range(ttt_steps)]
+    total_counts = None
+    if context_parallel:
+        total_counts = torch.stack([counted.sum() for counted in counted_steps])
+        dist.all_reduce(total_counts, group=cp_group)
     hidden = draft.project_hidden_states(aux_hidden_states)
     trunk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     branch: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -111,60 +146,79 @@ def ttt_loss(
         def attend(layer, q, k, v, step=step):
             if step == 0:
                 trunk[layer] = (k, v)
-                return branch_attention(q, k, v, cu_seqlens=cu_seqlens)
+                return branch_attention(q, k, v, cu_seqlens=cu_seqlens, cp_group=cp_group)
             branch.setdefault(layer, []).append((k, v))
             branch_k = torch.stack([bk for bk, _ in branch[layer]])
             branch_v = torch.stack([bv for _, bv in branch[layer]])
-            return branch_attention(q, *trunk[layer], branch_k, branch_v, cu_seqlens=cu_seqlens)
+            return branch_attention(q, *trunk[layer], branch_k, branch_v, cu_seqlens=cu_seqlens, cp_group=cp_group)
 
-        embeds = _shift_within_documents(input_embeds, 1 + step, doc_end)
+        embeds = shifts.shift(embeds_source, 1 + step)
         hidden = draft.backbone(embeds, hidden, position_ids + step, attend)
         logits = draft.compute_logits(hidden)
-        teacher = _shift_within_documents(teacher_logits, 1 + step, doc_end)
-        counted = _shift_within_documents(counted_tokens, 2 + step, doc_end)
-        loss, accuracy, count = soft_cross_entropy(logits, teacher, counted)
+        teacher = shifts.shift(teacher_source, 1 + step)
+        loss, accuracy, count = soft_cross_entropy(
+            logits, teacher, counted_steps[step], total_count=None if total_counts is None else total_counts[step]
+        )
         total = total + (step_weight_decay**step) * loss
         step_losses.append(loss.detach())
         step_accuracies.append(accuracy)
         step_counts.append(count)
-    return TTTOutput(
-        loss=total,
-        step_losses=torch.stack(step_losses),
-        step_accuracies=torch.stack(step_accuracies),
-        step_counts=torch.stack(step_counts),
-    )
+    step_losses, step_accuracies, step_counts = map(torch.stack, (step_losses, step_accuracies, step_counts))
+    if context_parallel:  # every rank holds its share of the metrics: sum them
+        shares = torch.stack([step_losses, step_accuracies])
+        dist.all_reduce(shares, group=cp_group)
+        step_losses, step_accuracies, step_counts = shares[0], shares[1], total_counts
+    return TTTOutput(loss=total, step_losses=step_losses, step_accuracies=step_accuracies, step_counts=step_counts)
 
 
 def soft_cross_entropy(
-    logits: torch.Tensor, teacher_logits: torch.Tensor, counted: torch.Tensor
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    counted: torch.Tensor,
+    *,
+    total_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean of ``-sum softmax(teacher) * log_softmax(logits)`` over counted positions, top-1 agreement, count.
 
     Zero counted positions give a zero loss (not NaN), so a batch of prompts only cannot poison a step.
+    ``total_count`` replaces the denominator (under context parallelism: the count over all ranks, so that
+    every rank returns its share of the global mean).
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)  # half precision computes in float32
     log_q = F.log_softmax(logits.to(dtype), dim=-1)
     p = F.softmax(teacher_logits.to(dtype), dim=-1)
     per_position = -(p * log_q).sum(-1)
     count = counted.sum()
-    denominator = count.clamp(min=1).to(per_position.dtype)
+    denominator = (count if total_count is None else total_count).clamp(min=1).to(per_position.dtype)
     loss = torch.where(counted, per_position, 0.0).sum() / denominator
     agree = (logits.detach().argmax(-1) == teacher_logits.argmax(-1)) & counted
     return loss, agree.sum() / denominator, count
 
 
-def pack_padded_rows(
+def left_align_rows(
     attention_mask: torch.Tensor, *tensors: torch.Tensor | None
 ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """Pack the real tokens of padded rows ``[B, L, ...]`` into one row ``[1, N, ...]`` of documents.
+    """Shift each row of ``[B, L, ...]`` tensors so its real tokens start at column 0, and drop the columns
+    no row uses. Returns the shifted tensors (None stays None) and the ``[B, L']`` mask of real tokens.
 
-    Returns the packed tensors (None stays None) and ``cu_seqlens``. Works for left and right padding.
+    Causal attention then never lets a real token see padding (which now trails every row).
     """
     keep = attention_mask.to(torch.bool)
+    batch, length = keep.shape
+    columns = torch.arange(length, device=keep.device)
     lengths = keep.sum(-1)
-    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    packed = [None if t is None else t[keep].unsqueeze(0) for t in tensors]
-    return packed, cu_seqlens
+    first = torch.where(lengths > 0, keep.int().argmax(-1), 0)
+    contiguous = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
+    if not torch.equal(contiguous, keep):
+        raise ValueError(
+            "`attention_mask` has rows whose real tokens are not contiguous (a hole between two tokens); pack "
+            "such sequences as documents with `cu_seqlens` instead."
+        )
+    width = max(int(lengths.max()), 1) if batch else 0
+    source = (first[:, None] + columns[None, :width]).clamp(max=length - 1)
+    rows = torch.arange(batch, device=keep.device)[:, None]
+    shifted = [None if t is None else t[rows, source] for t in tensors]
+    return shifted, columns[None, :width] < lengths[:, None]
 
 
 def _document_end(cu_seqlens: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -177,6 +231,19 @@ def _document_end(cu_seqlens: torch.Tensor | None, batch: int, length: int, devi
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != length:
         raise ValueError(f"`cu_seqlens` must start at 0 and end at L={length}; got {cu_seqlens.tolist()}.")
     return cu_seqlens[1:][document_ids(cu_seqlens)]
+
+
+class _DocumentShifts:
+    """Shifts within documents when the whole sequence is on this device; `ZigzagHalo` is the context-parallel twin."""
+
+    def __init__(self, doc_end: torch.Tensor):
+        self.doc_end = doc_end
+
+    def extend(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def shift(self, x: torch.Tensor, shift: int) -> torch.Tensor:
+        return _shift_within_documents(x, shift, self.doc_end)
 
 
 def _shift_within_documents(x: torch.Tensor, shift: int, doc_end: torch.Tensor) -> torch.Tensor:

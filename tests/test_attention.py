@@ -275,16 +275,6 @@ def test_cp_group_of_size_one_is_single_device():
     torch.testing.assert_close(with_group, branch_attention(**inputs, block_size=4), rtol=0, atol=0)
 
 
-def test_cp_group_larger_than_one_is_not_implemented(monkeypatch):
-    inputs = make_inputs(
-        batch_size=1, num_q_heads=2, num_kv_heads=1, length=8, head_dim=4, num_branch=1, dtype=torch.float64, seed=12
-    )
-    group = object()
-    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2 if g is group else 1)
-    with pytest.raises(NotImplementedError, match="world size 2"):
-        branch_attention(**inputs, cp_group=group)
-
-
 def _valid():
     return make_inputs(
         batch_size=1, num_q_heads=4, num_kv_heads=2, length=6, head_dim=4, num_branch=2, dtype=torch.float32, seed=0

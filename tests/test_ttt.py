@@ -6,7 +6,6 @@ import torch
 from hf_spec_cotrain import Eagle3DraftModel, ttt_loss
 from hf_spec_cotrain.draft import count_tokens
 from hf_spec_cotrain.testing import build_tiny_target
-from hf_spec_cotrain.ttt import pack_padded_rows
 
 
 def _draft(*, num_layers=1, draft_vocab_size=None, dtype=torch.float64, seed=0, family="llama"):
@@ -162,14 +161,15 @@ def test_ttt_float32_close_to_float64():
 
 
 def test_padded_rows_equal_packed_documents():
-    """Left-padded rows (as TRL lays out prompt+completion) give the loss of the packed documents."""
+    """Rows padded on both sides (TRL's left-padded prompt + right-padded completion) give the loss of the
+    packed documents."""
     _, draft = _draft(draft_vocab_size=40)
-    lengths = [9, 4, 12]
-    batch, length = len(lengths), max(lengths)
+    lengths, left_pads = [9, 4, 12], [3, 0, 2]
+    batch, length = len(lengths), 15
     aux, embeds, teacher, loss_mask = _inputs(draft, batch, length, torch.float64)
     attention_mask = torch.zeros(batch, length, dtype=torch.bool)
-    for row, n in enumerate(lengths):
-        attention_mask[row, length - n :] = True
+    for row, (n, pad) in enumerate(zip(lengths, left_pads)):
+        attention_mask[row, pad : pad + n] = True
     padded = ttt_loss(
         draft,
         aux_hidden_states=aux,
@@ -178,8 +178,8 @@ def test_padded_rows_equal_packed_documents():
         loss_mask=loss_mask,
         attention_mask=attention_mask,
     )
-    (p_aux, p_embeds, p_teacher, p_mask), cu = pack_padded_rows(attention_mask, aux, embeds, teacher, loss_mask)
-    assert cu.tolist() == [0, 9, 13, 25]
+    p_aux, p_embeds, p_teacher, p_mask = (t[attention_mask].unsqueeze(0) for t in (aux, embeds, teacher, loss_mask))
+    cu = torch.tensor([0, 9, 13, 25])
     packed = ttt_loss(
         draft,
         aux_hidden_states=p_aux,
@@ -251,5 +251,8 @@ def test_bad_arguments_raise_clear_errors():
         ttt_loss(draft, **kwargs, cu_seqlens=torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match="exactly one of `input_embeds` and `input_ids`"):
         ttt_loss(draft, aux_hidden_states=aux, teacher_logits=teacher)
+    holes = torch.tensor([[True, False, True, True, True, True, True, True]])
+    with pytest.raises(ValueError, match="not contiguous"):
+        ttt_loss(draft, **kwargs, attention_mask=holes)
     with pytest.raises(ValueError, match="loss_mask"):
         ttt_loss(draft, **{**kwargs, "loss_mask": loss_mask[:, :5]})

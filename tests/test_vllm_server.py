@@ -22,7 +22,7 @@ import requests
 import torch
 from conftest import _hf_greedy, _tiny_prompts
 from safetensors.torch import save as save_safetensors
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
 from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
@@ -404,3 +404,54 @@ def test_bad_generate_requests_are_refused_clearly(server):
     with pytest.raises(VLLMServerError, match=r"HTTP 400: Bad generate request: .*no_such_option"):
         client.generate(server.prompts[:1], max_tokens=4, no_such_option=1)
     assert client.health()["status"] == "ok"
+
+
+@pytest.mark.vllm
+def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_llama_drafts, tmp_path):
+    from datasets import Dataset
+
+    from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+
+    before = server.client.weights_version()
+    config = SpecCoTrainConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,
+        learning_rate=1e-3,
+        draft_warmup_steps=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.client.base_url,
+        draft_model_name_or_path=str(tiny_llama_drafts.folders["reduced", "a"]),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(server.target_dir)
+    trainer = SpecCoTrainGRPOTrainer(
+        model=str(server.target_dir),
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["def f(x):", "The quick", "import", "x = "]}),
+        processing_class=tokenizer,
+    )
+    try:
+        trainer.train()
+        after = server.client.weights_version()
+        assert after.policy == before.policy + 2 and after.draft == before.draft + 2  # one push per step
+        logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
+        assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
+        # The server holds what the trainer pushed for the last step's rollouts: push the current weights and
+        # read them back through vLLM's kernels.
+        trainer._sync_rollout_engine()
+        held = server.client.weights_version()
+        assert held.policy == after.policy + 1
+    finally:
+        # Put the module's server back on its original weights for the other tests.
+        server.client.update_policy(AutoModelForCausalLM.from_pretrained(server.target_dir).state_dict().items())
+        server.client.update_draft(server.drafts["a"].items())

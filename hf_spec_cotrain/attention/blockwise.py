@@ -16,10 +16,14 @@ compute dtype (float32 for half-precision inputs, float64 for float64).
 import torch
 import torch.distributed as dist
 
-from .masks import Visibility, block_mask, block_spans, block_visibility, document_ids
+from .masks import BlockSpan, Visibility, block_mask, block_spans, block_visibility, document_ids
 from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs
 
+
+CP_MODES = ("ring", "allgather")
+"""Context-parallel strategies: the zigzag ring (trunk K/V travel between neighbours, O(L/W) memory per rank) and
+the all-gather baseline (every rank gathers the whole trunk K/V, O(L) memory per rank)."""
 
 BLOCK_SIZE = 256
 """Default query/key block length. On CPU (one thread, Hq=8, Hkv=2, D=64, L=4K-8K) 256 was ~10% faster than 512
@@ -138,16 +142,28 @@ def trunk_forward(
     key_doc_ids: torch.Tensor,
     scale: float,
     block_size: int,
+    query_spans: list[BlockSpan] | None = None,
+    key_spans: list[BlockSpan] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal, document-masked attention of `q [B, Hkv, G, Lq, D]` over `k, v [B, Hkv, Lk, D]`, block by block.
 
     Positions and document ids are global (`[Lq]` and `[Lk]`); key blocks that no query of a block
     can see are skipped. Queries that see no key here get a zero output and `lse = -inf`.
+    `query_spans`/`key_spans` replace the fixed-size blocks (the ring cuts them at zigzag chunk
+    boundaries, so that whole invisible chunks are skipped). Given a running `(out, lse)`, this key
+    shard's result is merged into it in place (one ring step), and the same tensors are returned.
     """
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-    key_spans = block_spans(key_positions, key_doc_ids, block_size)
-    for query_span in block_spans(query_positions, query_doc_ids, block_size):
+    merge_into = out is not None
+    if not merge_into:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    if key_spans is None:
+        key_spans = block_spans(key_positions, key_doc_ids, block_size)
+    if query_spans is None:
+        query_spans = block_spans(query_positions, query_doc_ids, block_size)
+    for query_span in query_spans:
         rows = slice(query_span.start, query_span.end)
         q_block = q[:, :, :, rows].contiguous()
         block_out = block_lse = None
@@ -164,9 +180,14 @@ def trunk_forward(
                 block_out, block_lse = pair_out, pair_lse
             else:
                 block_out, block_lse = merge_attention_partials(block_out, block_lse, pair_out, pair_lse)
-        if block_out is not None:
-            out[:, :, :, rows] = block_out
-            lse[:, :, :, rows] = block_lse
+        if block_out is None:
+            continue
+        if merge_into:
+            block_out, block_lse = merge_attention_partials(
+                out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse
+            )
+        out[:, :, :, rows] = block_out
+        lse[:, :, :, rows] = block_lse
     return out, lse
 
 
@@ -184,13 +205,23 @@ def trunk_backward(
     key_doc_ids: torch.Tensor,
     scale: float,
     block_size: int,
+    query_spans: list[BlockSpan] | None = None,
+    key_spans: list[BlockSpan] | None = None,
+    dq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `trunk_forward` given the final `lse` and `delta`; returns `dq` and the `dk, dv` of this key shard."""
-    dq = torch.zeros_like(q)
+    """Gradients of `trunk_forward` given the final `lse` and `delta`; returns `dq` and the `dk, dv` of this key shard.
+
+    Spans as in `trunk_forward`; a given `dq` is accumulated into in place (the ring sums over key shards).
+    """
+    if dq is None:
+        dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    key_spans = block_spans(key_positions, key_doc_ids, block_size)
-    for query_span in block_spans(query_positions, query_doc_ids, block_size):
+    if key_spans is None:
+        key_spans = block_spans(key_positions, key_doc_ids, block_size)
+    if query_spans is None:
+        query_spans = block_spans(query_positions, query_doc_ids, block_size)
+    for query_span in query_spans:
         rows = slice(query_span.start, query_span.end)
         q_block = q[:, :, :, rows].contiguous()
         dout_block = dout[:, :, :, rows].contiguous()
@@ -344,6 +375,7 @@ def branch_attention(
     cp_group: dist.ProcessGroup | None = None,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
+    cp_mode: str = "ring",
 ) -> torch.Tensor:
     """Attention of each query over its causal trunk and its own branch keys, in one softmax.
 
@@ -354,23 +386,31 @@ def branch_attention(
             `branch_*[:, :, :, i]`), or None (same as S == 0).
         cu_seqlens: int `[0, ..., L]` boundaries of packed documents along L (then B must be 1);
             a query sees trunk keys of its own document only.
-        cp_group: context-parallel group; only a world size of 1 is supported so far.
+        cp_group: context-parallel group. With a world size W > 1 every tensor is this rank's zigzag
+            shard (`hf_spec_cotrain.parallel.zigzag_shard`: each document, of a length divisible by 2W,
+            cut into 2W chunks, rank r holding chunks r and 2W-1-r) while `cu_seqlens` stays global; the
+            result is this rank's shard of the single-device result. Every rank of the group must call.
         scale: score scale, `D**-0.5` by default.
         block_size: query/key block length; memory grows as `block_size * L`, never `L * L`.
+        cp_mode: with W > 1, "ring" (trunk K/V travel the ring, O(L/W) memory per rank) or "allgather"
+            (the all-gather-K/V baseline, O(L) memory per rank); both are exact.
 
     Returns:
         `[B, Hq, L, D]` in q's dtype.
     """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        from .ring import CONTEXT_PARALLEL_FUNCS  # the ring drivers build on this module's kernels
+
+        return CONTEXT_PARALLEL_FUNCS[cp_mode](
+            q, k, v, branch_k, branch_v, group=cp_group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
+        )
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale
     )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        raise NotImplementedError(
-            f"branch_attention with a context-parallel group of world size {dist.get_world_size(cp_group)} "
-            "is not implemented yet; pass cp_group=None (or a group of size 1)."
-        )
     length = q.shape[2]
     positions = torch.arange(length, device=q.device)
     if cu_seqlens is None:

@@ -1,0 +1,430 @@
+"""Context-parallel branch attention on zigzag shards (DESIGN.md section 5): the ring, and an all-gather baseline.
+
+Every tensor is this rank's zigzag shard (`hf_spec_cotrain.parallel.zigzag`); `cu_seqlens` stays global.
+Only the trunk keys/values ever leave their rank; the branch keys/values of a position live with its query,
+so they join the softmax locally in closed form (`branch_forward` / `branch_backward`).
+
+* Ring (default): the trunk K/V travel the ring in W - 1 steps, the next shard in flight (`RingComm`) while
+  the current one is computed on; each step's partial `(out, lse)` is merged into the running result. K/V
+  travel in their input dtype (half the bytes for bf16) and are upcast per step. The backward runs the ring
+  again and sends the accumulated dK/dV (compute dtype: float32, or float64 for float64 inputs) on with the
+  K/V they belong to, so that after the last step they reach their owners. Per rank: O(L / W) memory.
+* All-gather baseline: every rank gathers the whole trunk K/V (forward, and again in the backward rather
+  than keeping it) and reduce-scatters dK/dV, as earlier draft context-parallel code does. O(L) per rank.
+
+Masks compare global indices and document ids, so blocks never cross a zigzag chunk (`zigzag_block_spans`):
+the chunks that the causal structure makes invisible from a query chunk are skipped whole (in a ring step
+from an earlier rank the second half of the keys, from a later rank the first half of the queries).
+This is a pure PyTorch path (CPU or GPU, any float dtype); flash-attn kernels are not wired in.
+
+Layout, following ring-flash-attention: for each variant the forward, the backward, an autograd `Function`
+that only delegates, and a `*_func` wrapper that validates.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.zigzag import zigzag_bounds, zigzag_indices
+from .blockwise import (
+    BLOCK_SIZE,
+    _compute_dtype,
+    _grouped,
+    branch_backward,
+    branch_forward,
+    trunk_backward,
+    trunk_forward,
+)
+from .comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
+from .masks import BlockSpan
+from .merge import merge_attention_partials
+from .validation import check_branch_attention_inputs, check_cu_seqlens
+
+
+def zigzag_block_spans(positions: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> list[BlockSpan]:
+    """Blocks of a zigzag shard (increasing global indices) that never cut through a run of consecutive indices
+    without need: runs are cut every `block_size`, and consecutive short pieces are merged up to `block_size`.
+
+    A chunk of at least `block_size` positions thus gets blocks of its own (exact skipping), while many tiny
+    documents still make few blocks (the masks handle mixed blocks).
+    """
+    length = positions.numel()
+    if length == 0:
+        return []
+    breaks = (torch.nonzero(torch.diff(positions) != 1).flatten() + 1).tolist()
+    pieces = []
+    for run_start, run_end in zip([0, *breaks], [*breaks, length]):
+        pieces += [(start, min(start + block_size, run_end)) for start in range(run_start, run_end, block_size)]
+    blocks = [pieces[0]]
+    for start, end in pieces[1:]:
+        if end - blocks[-1][0] <= block_size:
+            blocks[-1] = (blocks[-1][0], end)
+        else:
+            blocks.append((start, end))
+    starts = torch.tensor([start for start, _ in blocks], device=positions.device)
+    lasts = torch.tensor([end - 1 for _, end in blocks], device=positions.device)
+    columns = zip(
+        positions[starts].tolist(), positions[lasts].tolist(), doc_ids[starts].tolist(), doc_ids[lasts].tolist()
+    )
+    return [
+        BlockSpan(start=start, end=end, pos_min=pos_min, pos_max=pos_max, doc_min=doc_min, doc_max=doc_max)
+        for (start, end), (pos_min, pos_max, doc_min, doc_max) in zip(blocks, columns)
+    ]
+
+
+@dataclass(frozen=True)
+class ZigzagLayout:
+    """Global indices, document ids and blocks of every rank's shard, as all ranks compute them alike."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    positions: list[torch.Tensor]
+    doc_ids: list[torch.Tensor]
+    spans: list[list[BlockSpan]]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        group: dist.ProcessGroup,
+        local_length: int,
+        cu_seqlens: torch.Tensor | None,
+        block_size: int,
+        device: torch.device,
+    ) -> "ZigzagLayout":
+        rank, world_size = group_rank_and_size(group)
+        bounds = zigzag_bounds(world_size, cu_seqlens=cu_seqlens, length=local_length * world_size)
+        positions, doc_ids, spans = [], [], []
+        for owner in range(world_size):
+            indices = zigzag_indices(owner, world_size, cu_seqlens=bounds)
+            documents = torch.searchsorted(bounds, indices, right=True) - 1
+            spans.append(zigzag_block_spans(indices, documents, block_size))
+            positions.append(indices.to(device))
+            doc_ids.append(documents.to(device))
+        return cls(group, rank, world_size, positions, doc_ids, spans)
+
+    def source(self, step: int) -> int:
+        """The rank whose trunk K/V this rank holds at ring step `step`."""
+        return (self.rank - step) % self.world_size
+
+    def trunk_kwargs(self, source: int, block_size: int) -> dict:
+        """`trunk_forward` / `trunk_backward` keyword arguments for this rank's queries against `source`'s keys."""
+        return {
+            "query_positions": self.positions[self.rank],
+            "query_doc_ids": self.doc_ids[self.rank],
+            "key_positions": self.positions[source],
+            "key_doc_ids": self.doc_ids[source],
+            "query_spans": self.spans[self.rank],
+            "key_spans": self.spans[source],
+            "block_size": block_size,
+        }
+
+
+def _empty_partial(q_grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lse = torch.full(q_grouped.shape[:-1], float("-inf"), dtype=q_grouped.dtype, device=q_grouped.device)
+    return torch.zeros_like(q_grouped), lse
+
+
+def _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, *, scale):
+    if branch_k is None:
+        return out, lse
+    dtype = q_grouped.dtype
+    branch_out, branch_lse = branch_forward(q_grouped, branch_k.to(dtype), branch_v.to(dtype), scale=scale)
+    return merge_attention_partials(out, lse, branch_out, branch_lse)
+
+
+def _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, *, scale):
+    if branch_k is None:
+        return None, None
+    dtype = q_grouped.dtype
+    branch_dq, dbranch_k, dbranch_v = branch_backward(
+        dout_grouped, q_grouped, branch_k.to(dtype), branch_v.to(dtype), lse, delta, scale=scale
+    )
+    dq.add_(branch_dq)
+    return dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- ring
+
+
+def ring_branch_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    *,
+    layout: ZigzagLayout,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]` and `lse [B, Hkv, G, L/W]`."""
+    dtype = _compute_dtype(q.dtype)
+    q_grouped = _grouped(q, k.shape[1], dtype)
+    out, lse = _empty_partial(q_grouped)
+    key, value = k.contiguous(), v.contiguous()  # travel in the input dtype, computed on in the compute dtype
+    comm = RingComm(layout.group)
+    for step in range(layout.world_size):
+        more = step + 1 < layout.world_size
+        if more:
+            next_key, next_value = comm.send_recv(key), comm.send_recv(value)
+            comm.commit()
+        trunk_forward(
+            q_grouped,
+            key.to(dtype),
+            value.to(dtype),
+            scale=scale,
+            out=out,
+            lse=lse,
+            **layout.trunk_kwargs(layout.source(step), block_size),
+        )
+        if more:
+            comm.wait()
+            key, value = next_key, next_value
+    out, lse = _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    return out.flatten(1, 2).to(q.dtype), lse
+
+
+def ring_branch_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    layout: ZigzagLayout,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """Ring backward: `dq, dk, dv, dbranch_k, dbranch_v` of this rank's shard (None without branch).
+
+    At step s this rank holds the K/V of rank r - s together with the dK/dV that ranks r - s .. r - 1 have
+    accumulated for them; it adds its own and passes both on, so the sums arrive home after the last step.
+    """
+    dtype = _compute_dtype(q.dtype)
+    num_kv_heads = k.shape[1]
+    q_grouped = _grouped(q, num_kv_heads, dtype)
+    dout_grouped = _grouped(dout, num_kv_heads, dtype)
+    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    dq = torch.zeros_like(q_grouped)
+    key, value = k.contiguous(), v.contiguous()
+    world_size = layout.world_size
+    kv_comm, dkv_comm = RingComm(layout.group, tag=0), RingComm(layout.group, tag=1)
+    dk_arriving = dv_arriving = None  # the dK/dV accumulated upstream for the K/V this rank holds
+    for step in range(world_size):
+        more = step + 1 < world_size
+        if more:
+            next_key, next_value = kv_comm.send_recv(key), kv_comm.send_recv(value)
+            kv_comm.commit()
+        _, dk, dv = trunk_backward(
+            dout_grouped,
+            q_grouped,
+            key.to(dtype),
+            value.to(dtype),
+            lse,
+            delta,
+            scale=scale,
+            dq=dq,
+            **layout.trunk_kwargs(layout.source(step), block_size),
+        )
+        if step > 0:
+            dkv_comm.wait()
+            dk.add_(dk_arriving)
+            dv.add_(dv_arriving)
+        if more:
+            kv_comm.wait()
+            key, value = next_key, next_value
+        if world_size > 1:
+            dk_arriving, dv_arriving = dkv_comm.send_recv(dk), dkv_comm.send_recv(dv)
+            dkv_comm.commit()
+    if world_size > 1:
+        dkv_comm.wait()
+        dk, dv = dk_arriving, dv_arriving
+    dbranch_k, dbranch_v = _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
+
+
+class RingBranchAttentionFunction(torch.autograd.Function):
+    """Saves only this rank's inputs, output and log-sum-exp; the backward runs the ring again."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size):
+        out, lse = ring_branch_attention_forward(
+            q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
+        )
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        ctx.layout, ctx.scale, ctx.block_size = layout, scale, block_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        grads = ring_branch_attention_backward(
+            dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size
+        )
+        return *grads, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------- all-gather
+
+
+def allgather_branch_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    *,
+    layout: ZigzagLayout,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather forward: gather every rank's trunk K/V, then attend to each shard in turn."""
+    dtype = _compute_dtype(q.dtype)
+    q_grouped = _grouped(q, k.shape[1], dtype)
+    out, lse = _empty_partial(q_grouped)
+    keys, values = all_gather_stacked(k, layout.group), all_gather_stacked(v, layout.group)
+    for source in range(layout.world_size):
+        trunk_forward(
+            q_grouped,
+            keys[source].to(dtype),
+            values[source].to(dtype),
+            scale=scale,
+            out=out,
+            lse=lse,
+            **layout.trunk_kwargs(source, block_size),
+        )
+    out, lse = _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    return out.flatten(1, 2).to(q.dtype), lse
+
+
+def allgather_branch_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    layout: ZigzagLayout,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, ...]:
+    """All-gather backward: gather the K/V again, compute dK/dV for every shard, reduce-scatter them to owners."""
+    dtype = _compute_dtype(q.dtype)
+    num_kv_heads = k.shape[1]
+    q_grouped = _grouped(q, num_kv_heads, dtype)
+    dout_grouped = _grouped(dout, num_kv_heads, dtype)
+    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    dq = torch.zeros_like(q_grouped)
+    keys, values = all_gather_stacked(k, layout.group), all_gather_stacked(v, layout.group)
+    dkeys = keys.new_empty(keys.shape, dtype=dtype)
+    dvalues = values.new_empty(values.shape, dtype=dtype)
+    for source in range(layout.world_size):
+        _, dkeys[source], dvalues[source] = trunk_backward(
+            dout_grouped,
+            q_grouped,
+            keys[source].to(dtype),
+            values[source].to(dtype),
+            lse,
+            delta,
+            scale=scale,
+            dq=dq,
+            **layout.trunk_kwargs(source, block_size),
+        )
+    del keys, values
+    dk, dv = reduce_scatter_stacked(dkeys, layout.group), reduce_scatter_stacked(dvalues, layout.group)
+    dbranch_k, dbranch_v = _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
+
+
+class AllGatherBranchAttentionFunction(torch.autograd.Function):
+    """Saves only this rank's inputs, output and log-sum-exp (the gathered K/V are not kept for the backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size):
+        out, lse = allgather_branch_attention_forward(
+            q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
+        )
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        ctx.layout, ctx.scale, ctx.block_size = layout, scale, block_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        grads = allgather_branch_attention_backward(
+            dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size
+        )
+        return *grads, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------- wrappers
+
+
+def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size):
+    """Validate zigzag-sharded inputs (`cu_seqlens` global) and build the layout."""
+    branch_k, branch_v, scale = check_branch_attention_inputs(
+        q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale
+    )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    if group is None:
+        raise ValueError("group must be a torch.distributed process group (the context-parallel group), got None.")
+    _, world_size = group_rank_and_size(group)
+    if cu_seqlens is not None:
+        # cu_seqlens spans the global sequence: W times this rank's shard.
+        check_cu_seqlens(cu_seqlens, length=q.shape[2] * world_size, batch_size=q.shape[0])
+    layout = ZigzagLayout.build(
+        group=group, local_length=q.shape[2], cu_seqlens=cu_seqlens, block_size=block_size, device=q.device
+    )
+    return branch_k, branch_v, scale, layout
+
+
+def ring_branch_attention_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None = None,
+    branch_v: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call."""
+    branch_k, branch_v, scale, layout = _prepare(
+        q, k, v, branch_k, branch_v, group=group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
+    )
+    return RingBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size)
+
+
+def allgather_branch_attention_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None = None,
+    branch_v: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """`branch_attention` on zigzag shards with the all-gather-K/V baseline; every rank must call."""
+    branch_k, branch_v, scale, layout = _prepare(
+        q, k, v, branch_k, branch_v, group=group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
+    )
+    return AllGatherBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size)
+
+
+CONTEXT_PARALLEL_FUNCS = {"ring": ring_branch_attention_func, "allgather": allgather_branch_attention_func}
+"""`branch_attention(..., cp_mode=...)` dispatches here when the context-parallel group has more than one rank."""

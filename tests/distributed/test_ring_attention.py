@@ -1,0 +1,325 @@
+"""Context-parallel branch attention (ring and all-gather) on gloo against the dense float64 reference.
+
+Every rank builds the same full inputs from a seed, runs the dense reference on them, and checks that its zigzag
+shard of the output and of every input gradient matches the shard of the reference's.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from process_pool import subgroup
+
+from hf_spec_cotrain.attention import blockwise, branch_attention, branch_attention_reference
+from hf_spec_cotrain.attention.blockwise import CP_MODES
+from hf_spec_cotrain.attention.comm import RingComm
+from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS, zigzag_block_spans
+from hf_spec_cotrain.parallel import zigzag_indices, zigzag_shard
+
+
+POOL_WORLD_SIZE = 4
+NAMES = ("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v")
+
+
+def random_case(seed: int, world_size: int) -> dict:
+    """Packed documents of uneven lengths (multiples of 2W, some empty) with B = 1, or B > 1 unpacked rows."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randint(low, high):  # inclusive
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    multiple = 2 * world_size
+    num_kv_heads = randint(1, 2)
+    case = {
+        "seed": seed,
+        "num_kv_heads": num_kv_heads,
+        "num_q_heads": num_kv_heads * randint(1, 3),
+        "head_dim": (4, 8)[randint(0, 1)],
+        "num_branch": randint(0, 3),
+        "block_size": (randint(1, 8), 256)[randint(0, 3) // 3],
+        "scale": (None, 0.7)[randint(0, 1)],
+        "branch_as_none": randint(0, 1) == 1,
+    }
+    if randint(0, 2):
+        lengths = [multiple * randint(0, 4) for _ in range(randint(1, 4))]
+        lengths[randint(0, len(lengths) - 1)] += multiple  # never all empty
+        case.update(batch_size=1, doc_lengths=lengths, length=sum(lengths))
+    else:
+        case.update(batch_size=randint(2, 3), doc_lengths=None, length=multiple * randint(1, 4))
+    return case
+
+
+def make_inputs(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(case["seed"])
+    kv_shape = (case["batch_size"], case["num_kv_heads"], case["length"], case["head_dim"])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+    inputs = {
+        "q": randn(case["batch_size"], case["num_q_heads"], case["length"], case["head_dim"]),
+        "k": randn(*kv_shape),
+        "v": randn(*kv_shape),
+        "branch_k": randn(case["num_branch"], *kv_shape),
+        "branch_v": randn(case["num_branch"], *kv_shape),
+    }
+    if case["num_branch"] == 0 and case["branch_as_none"]:
+        inputs.update(branch_k=None, branch_v=None)
+    return inputs
+
+
+def cu_seqlens_of(case: dict) -> torch.Tensor | None:
+    if case["doc_lengths"] is None:
+        return None
+    return torch.tensor([0, *torch.tensor(case["doc_lengths"]).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def outputs_and_grads(fn, inputs: dict, upstream: torch.Tensor, **kwargs) -> list[torch.Tensor | None]:
+    leaves = {name: None if t is None else t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    out = fn(**leaves, **kwargs)
+    out.backward(upstream.to(out.dtype))
+    grads = [None if leaves[name] is None else leaves[name].grad for name in ("q", "k", "v", "branch_k", "branch_v")]
+    return [out.detach(), *grads]
+
+
+def context_parallel_attention(group: dist.ProcessGroup, mode: str):
+    """The public entry for W > 1; the ring/all-gather functions themselves for W = 1 (branch_attention would take
+    the single-device path)."""
+    if dist.get_world_size(group) == 1:
+        return lambda **kwargs: CONTEXT_PARALLEL_FUNCS[mode](**kwargs, group=group)
+    return lambda **kwargs: branch_attention(**kwargs, cp_group=group, cp_mode=mode)
+
+
+def check_case(case: dict, dtype: torch.dtype, group: dist.ProcessGroup, mode: str) -> None:
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    cu_seqlens = cu_seqlens_of(case)
+    inputs = make_inputs(case, dtype)
+    upstream = torch.randn(inputs["q"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    exact = {name: None if t is None else t.double() for name, t in inputs.items()}
+    expected = outputs_and_grads(
+        branch_attention_reference, exact, upstream, cu_seqlens=cu_seqlens, scale=case["scale"]
+    )
+
+    def shard(tensor, dim=2):
+        return None if tensor is None else zigzag_shard(tensor, dim, rank, world_size, cu_seqlens)
+
+    shards = {name: shard(t, 3 if name.startswith("branch") else 2) for name, t in inputs.items()}
+    actual = outputs_and_grads(
+        context_parallel_attention(group, mode),
+        shards,
+        shard(upstream),
+        cu_seqlens=cu_seqlens,
+        scale=case["scale"],
+        block_size=case["block_size"],
+    )
+    tolerance = {"rtol": 0, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for index, (name, got, want) in enumerate(zip(NAMES, actual, expected)):
+        if name.startswith("dbranch") and case["num_branch"] == 0:
+            assert got is None and want is None, name  # an empty branch is not part of the graph
+            continue
+        want = shard(want, 3 if index >= 4 else 2)
+        assert got.dtype == dtype, name
+        torch.testing.assert_close(got, want.to(dtype), **tolerance, msg=lambda m, n=name, c=case: f"{n} {c}: {m}")
+
+
+def check_cases(size: int, mode: str, cases_per_group: list[list[dict]]) -> int:
+    """Runs on every pool rank: each group of `size` ranks checks its own list of cases."""
+    group = subgroup(size)
+    checked = 0
+    for case in cases_per_group[dist.get_rank() // size]:
+        for dtype in (torch.float64, torch.float32):
+            check_case(case, dtype, group, mode)
+            checked += 1
+    return checked
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", CP_MODES)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_matches_dense_reference(cp_pool, world_size, mode):
+    num_groups = POOL_WORLD_SIZE // world_size
+    cases_per_group = [
+        [random_case(1000 * world_size + 10 * group + index, world_size) for index in range(8 // num_groups + 2)]
+        for group in range(num_groups)
+    ]
+    checked = cp_pool.run(check_cases, world_size, mode, cases_per_group)
+    assert checked == [2 * len(cases_per_group[rank // world_size]) for rank in range(POOL_WORLD_SIZE)]
+
+
+def check_bfloat16(size: int) -> float:
+    group = subgroup(size)
+    rank = dist.get_rank(group)
+    case = {**random_case(5, size), "num_branch": 2, "doc_lengths": [8, 16, 24], "batch_size": 1, "length": 48}
+    inputs = make_inputs(case, torch.bfloat16)
+    cu_seqlens = cu_seqlens_of(case)
+    upstream = torch.randn(inputs["q"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    exact = {name: t.double() for name, t in inputs.items()}
+    expected = outputs_and_grads(branch_attention_reference, exact, upstream, cu_seqlens=cu_seqlens)
+    shards = {
+        name: zigzag_shard(t, 3 if name.startswith("branch") else 2, rank, size, cu_seqlens)
+        for name, t in inputs.items()
+    }
+    upstream_shard = zigzag_shard(upstream, 2, rank, size, cu_seqlens)
+    actual = outputs_and_grads(
+        lambda **kw: branch_attention(**kw, cp_group=group, block_size=4),
+        shards,
+        upstream_shard,
+        cu_seqlens=cu_seqlens,
+    )
+    worst = 0.0
+    for index, (got, want) in enumerate(zip(actual, expected)):
+        assert got.dtype == torch.bfloat16
+        want = zigzag_shard(want, 3 if index >= 4 else 2, rank, size, cu_seqlens)
+        worst = max(worst, float((got.double() - want).norm() / want.norm()))
+    return worst
+
+
+@pytest.mark.distributed
+def test_bfloat16_close_to_float64(cp_pool):
+    errors = cp_pool.run(check_bfloat16, 2)
+    assert max(errors) < 1e-2, errors
+
+
+def count_block_pairs(mode: str) -> tuple[int, int, int, int]:
+    """Blocks computed by the ring on one document cut into 2W chunks of one block each, and by one device."""
+    group = subgroup(POOL_WORLD_SIZE)
+    rank, world_size = dist.get_rank(group), POOL_WORLD_SIZE
+    chunk = 4
+    case = {**random_case(3, world_size), "num_q_heads": 2, "num_kv_heads": 1, "num_branch": 1}
+    case.update(batch_size=1, doc_lengths=None, length=2 * world_size * chunk, branch_as_none=False)
+    inputs = make_inputs(case, torch.float64)
+    counts = {"forward": 0, "backward": 0}
+    originals = blockwise.block_forward, blockwise.block_backward
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    blockwise.block_forward, blockwise.block_backward = (
+        counting("forward", originals[0]),
+        counting("backward", originals[1]),
+    )
+    try:
+        shards = {
+            name: zigzag_shard(t, 3 if name.startswith("branch") else 2, rank, world_size)
+            for name, t in inputs.items()
+        }
+        upstream = torch.ones_like(shards["q"])
+        outputs_and_grads(context_parallel_attention(group, mode), shards, upstream, block_size=chunk)
+        ring_counts = counts["forward"], counts["backward"]
+        counts.update(forward=0, backward=0)
+        outputs_and_grads(branch_attention, inputs, torch.ones_like(inputs["q"]), block_size=chunk)
+        single_counts = counts["forward"], counts["backward"]
+    finally:
+        blockwise.block_forward, blockwise.block_backward = originals
+    return (*ring_counts, *single_counts)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", CP_MODES)
+def test_invisible_chunks_are_skipped(cp_pool, mode):
+    """Per rank: its 3 local (query chunk, key chunk) pairs, then 2 per other rank (an earlier rank's first chunk is
+    seen by both query chunks, a later rank's chunks only by the late query chunk): 2W + 1, never 4W. Summed over
+    the ranks this is exactly the single-device causal count."""
+    counts = cp_pool.run(count_block_pairs, mode)
+    for forward, backward, _, _ in counts:
+        assert forward == backward == 2 * POOL_WORLD_SIZE + 1
+    num_blocks = 2 * POOL_WORLD_SIZE
+    single_forward = counts[0][2]
+    assert single_forward == num_blocks * (num_blocks + 1) // 2
+    assert sum(forward for forward, *_ in counts) == single_forward
+
+
+def ring_comm_protocol() -> list[float]:
+    group = subgroup(2)
+    rank = dist.get_rank(group)
+    comm = RingComm(group)
+    with pytest.raises(RuntimeError, match="nothing queued"):
+        comm.commit()
+    with pytest.raises(RuntimeError, match="without a committed round"):
+        comm.wait()
+    with pytest.raises(RuntimeError, match="contiguous"):
+        comm.send_recv(torch.zeros(4, 2).t())
+    sent = torch.full((3,), 10.0 * dist.get_rank() + rank)
+    received = comm.send_recv(sent)
+    comm.commit()
+    with pytest.raises(RuntimeError, match="in flight"):
+        comm.send_recv(sent)
+    with pytest.raises(RuntimeError, match="twice"):
+        comm.commit()
+    comm.wait()
+    # A second round on the same object works (the protocol resets after wait).
+    again = comm.send_recv(sent + 1)
+    comm.commit()
+    comm.wait()
+    assert torch.equal(again, received + 1)
+    return received.tolist()
+
+
+@pytest.mark.distributed
+def test_ring_comm_protocol(cp_pool):
+    received = cp_pool.run(ring_comm_protocol)
+    # Ranks 0,1 form one ring and 2,3 another; rank r sent 10 r + (its rank in the ring) to its neighbour.
+    assert received == [[11.0] * 3, [0.0] * 3, [31.0] * 3, [20.0] * 3]
+
+
+def invalid_inputs(mode: str) -> None:
+    group = subgroup(2)
+    q = torch.randn(1, 2, 6, 4)
+    k = v = torch.randn(1, 1, 6, 4)
+    with pytest.raises(ValueError, match=r"multiple of 2 \* world_size = 4 .* got length 6 for document 1"):
+        branch_attention(q, k, v, cu_seqlens=torch.tensor([0, 4, 10, 12]), cp_group=group, cp_mode=mode)
+    with pytest.raises(ValueError, match=r"end at the sequence length L=12, got first=0 and last=6"):
+        branch_attention(q, k, v, cu_seqlens=torch.tensor([0, 6]), cp_group=group, cp_mode=mode)  # a local cu_seqlens
+    with pytest.raises(ValueError, match=r"need batch size B=1, got B=2"):
+        branch_attention(
+            q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+            cu_seqlens=torch.tensor([0, 12]), cp_group=group, cp_mode=mode,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Hq=3 must be a multiple"):
+        k2 = torch.randn(1, 2, 6, 4)
+        branch_attention(torch.randn(1, 3, 6, 4), k2, k2, cp_group=group, cp_mode=mode)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", CP_MODES)
+def test_invalid_inputs_raise_on_every_rank(cp_pool, mode):
+    cp_pool.run(invalid_inputs, mode)
+
+
+def test_invalid_cp_mode():
+    q = torch.randn(1, 2, 4, 4)
+    k = torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match=r"cp_mode must be one of \('ring', 'allgather'\), got 'ulysses'"):
+        branch_attention(q, k, k, cp_mode="ulysses")
+
+
+def test_zigzag_block_spans_cut_at_chunks_and_merge_short_pieces():
+    generator = torch.Generator().manual_seed(0)
+
+    def randint(low, high):  # inclusive
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    for trial in range(200):
+        world_size, block_size = randint(1, 4), randint(1, 9)
+        # Half the trials: chunks are whole numbers of blocks, so no block may mix two chunks.
+        aligned = trial % 2 == 0
+        unit = 2 * world_size * (block_size if aligned else 1)
+        lengths = [unit * randint(0, 11) for _ in range(randint(1, 5))]
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        positions = zigzag_indices(randint(0, world_size - 1), world_size, cu_seqlens=cu_seqlens)
+        doc_ids = torch.searchsorted(cu_seqlens, positions, right=True) - 1
+        spans = zigzag_block_spans(positions, doc_ids, block_size)
+        assert [span.start for span in spans] == [0, *(span.end for span in spans[:-1])][: len(spans)]
+        assert (spans[-1].end if spans else 0) == positions.numel()
+        for index, span in enumerate(spans):
+            block = slice(span.start, span.end)
+            assert 1 <= span.end - span.start <= block_size
+            assert (span.pos_min, span.pos_max) == (int(positions[block].min()), int(positions[block].max()))
+            assert (span.doc_min, span.doc_max) == (int(doc_ids[block].min()), int(doc_ids[block].max()))
+            if aligned:
+                assert bool((positions[block].diff() == 1).all()), "a block mixes two zigzag chunks"
+            if index + 1 < len(spans):  # greedy: a block is closed only when the next piece does not fit
+                assert spans[index + 1].end - span.start > block_size
