@@ -71,6 +71,9 @@ class ScriptArguments:
     )
     sft_seconds: float = field(default=150.0, metadata={"help": "Supervised training of the embedded policy."})
     warm_start_seconds: float = field(default=90.0, metadata={"help": "Offline warm start of the embedded draft."})
+    warm_start_samples: int = field(
+        default=512, metadata={"help": "Policy samples the embedded draft is warm-started on."}
+    )
     baseline: bool = field(default=True, metadata={"help": "Also run the same GRPO without speculation."})
     probe_prompts: int = field(
         default=32, metadata={"help": "Prompts of the co-trained vs frozen draft probe (0 disables it)."}
@@ -131,7 +134,12 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     chain = markov_chain()
     generator = torch.Generator().manual_seed(seed)
     prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
-    settings = {"version": 1, "sft_seconds": script.sft_seconds, "warm_start_seconds": script.warm_start_seconds}
+    settings = {
+        "version": 1,
+        "sft_seconds": script.sft_seconds,
+        "warm_start_seconds": script.warm_start_seconds,
+        "warm_start_samples": script.warm_start_samples,
+    }
     root = Path(script.cache_dir).expanduser() / "embedded"
     policy_dir, draft_dir, manifest = root / "policy", root / "draft", root / "manifest.json"
     if manifest.exists() and json.loads(manifest.read_text()) == settings:
@@ -142,7 +150,7 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
     # The draft learns from what the policy actually writes.
-    samples = generate_texts(policy, tokenizer, prompts["prompt"][:768], temperature=1.0)
+    samples = generate_texts(policy, tokenizer, prompts["prompt"][: script.warm_start_samples], temperature=1.0)
     draft_config = DraftTrainingConfig(
         output_dir=str(draft_dir),
         max_time_s=script.warm_start_seconds,

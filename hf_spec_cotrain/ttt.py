@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .attention import branch_attention
 from .attention.masks import document_ids, positions_in_document
 from .draft import Eagle3DraftModel
+from .losses import head_soft_cross_entropy
 from .parallel.context_parallel import ZigzagHalo
 
 
@@ -154,10 +154,13 @@ def ttt_loss(
 
         embeds = shifts.shift(embeds_source, 1 + step)
         hidden = draft.backbone(embeds, hidden, position_ids + step, attend)
-        logits = draft.compute_logits(hidden)
         teacher = shifts.shift(teacher_source, 1 + step)
-        loss, accuracy, count = soft_cross_entropy(
-            logits, teacher, counted_steps[step], total_count=None if total_counts is None else total_counts[step]
+        loss, accuracy, count = head_soft_cross_entropy(
+            draft.compute_logits,
+            hidden,
+            teacher,
+            counted_steps[step],
+            total_count=None if total_counts is None else total_counts[step],
         )
         total = total + (step_weight_decay**step) * loss
         step_losses.append(loss.detach())
@@ -169,30 +172,6 @@ def ttt_loss(
         dist.all_reduce(shares, group=cp_group)
         step_losses, step_accuracies, step_counts = shares[0], shares[1], total_counts
     return TTTOutput(loss=total, step_losses=step_losses, step_accuracies=step_accuracies, step_counts=step_counts)
-
-
-def soft_cross_entropy(
-    logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    counted: torch.Tensor,
-    *,
-    total_count: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean of ``-sum softmax(teacher) * log_softmax(logits)`` over counted positions, top-1 agreement, count.
-
-    Zero counted positions give a zero loss (not NaN), so a batch of prompts only cannot poison a step.
-    ``total_count`` replaces the denominator (under context parallelism: the count over all ranks, so that
-    every rank returns its share of the global mean).
-    """
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # half precision computes in float32
-    log_q = F.log_softmax(logits.to(dtype), dim=-1)
-    p = F.softmax(teacher_logits.to(dtype), dim=-1)
-    per_position = -(p * log_q).sum(-1)
-    count = counted.sum()
-    denominator = (count if total_count is None else total_count).clamp(min=1).to(per_position.dtype)
-    loss = torch.where(counted, per_position, 0.0).sum() / denominator
-    agree = (logits.detach().argmax(-1) == teacher_logits.argmax(-1)) & counted
-    return loss, agree.sum() / denominator, count
 
 
 def left_align_rows(

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType, get_scheduler
 
 from .draft import Eagle3DraftModel, count_tokens
 from .taps import TapRecorder
@@ -84,6 +84,33 @@ class DraftTrainingConfig:
             raise ValueError(f"`eval_fraction`={self.eval_fraction} is not allowed: it must be in [0, 1).")
         if self.learning_rate <= 0:
             raise ValueError(f"`learning_rate`={self.learning_rate} is not allowed: it must be > 0.")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(f"`max_steps`={self.max_steps} is not allowed: use an int >= 1, or -1 to use num_epochs.")
+        if not self.num_epochs > 0:
+            raise ValueError(f"`num_epochs`={self.num_epochs} is not allowed: it must be > 0.")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise ValueError(f"`max_time_s`={self.max_time_s} is not allowed: it must be > 0, or None for no limit.")
+        if not self.step_weight_decay > 0:
+            raise ValueError(f"`step_weight_decay`={self.step_weight_decay} is not allowed: it must be > 0.")
+        non_negative = {
+            "warmup_steps": self.warmup_steps,
+            "max_eval_samples": self.max_eval_samples,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ValueError(f"`{name}`={value} is not allowed: it must be >= 0.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(
+                f"`draft_vocab_size`={self.draft_vocab_size} is not allowed: use an int >= 1 (at most the target's "
+                "vocabulary size), or None for the full vocabulary."
+            )
+        schedulers = [scheduler.value for scheduler in SchedulerType]
+        if self.lr_scheduler_type not in schedulers:
+            raise ValueError(
+                f"`lr_scheduler_type`={self.lr_scheduler_type!r} is not allowed: choose one of {', '.join(schedulers)}."
+            )
 
 
 @dataclass
@@ -314,7 +341,8 @@ def train_draft(
     bar.close()
     result.steps = step
     result.train_seconds = time.perf_counter() - started
-    evaluate(step)
+    if not result.history or result.history[-1]["step"] != step:  # the time limit may stop right after an evaluation
+        evaluate(step)
     if config.output_dir:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         draft.save_pretrained(config.output_dir)
