@@ -69,8 +69,11 @@ class ScriptArguments:
         default="~/.cache/hf_spec_cotrain/grpo_spec",
         metadata={"help": "Where the embedded policy and warm-start draft are cached."},
     )
-    sft_seconds: float = field(default=150.0, metadata={"help": "Supervised training of the embedded policy."})
-    warm_start_seconds: float = field(default=90.0, metadata={"help": "Offline warm start of the embedded draft."})
+    # Budgets in steps, not seconds, so that a busy machine builds the same embedded policy and draft.
+    sft_steps: int = field(
+        default=400, metadata={"help": "Supervised steps of the embedded policy (64 sequences each)."}
+    )
+    warm_start_steps: int = field(default=500, metadata={"help": "Offline warm-start steps of the embedded draft."})
     warm_start_samples: int = field(
         default=512, metadata={"help": "Policy samples the embedded draft is warm-started on."}
     )
@@ -135,9 +138,9 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     generator = torch.Generator().manual_seed(seed)
     prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
     settings = {
-        "version": 1,
-        "sft_seconds": script.sft_seconds,
-        "warm_start_seconds": script.warm_start_seconds,
+        "version": 2,
+        "sft_steps": script.sft_steps,
+        "warm_start_steps": script.warm_start_steps,
         "warm_start_samples": script.warm_start_samples,
     }
     root = Path(script.cache_dir).expanduser() / "embedded"
@@ -146,15 +149,14 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
         print(f"[grpo_spec] embedded policy and warm-start draft from the cache: {root}")
         return policy_dir, draft_dir, prompts
     tokenizer = build_char_tokenizer(alphabet=LETTERS + ":")
-    policy = supervised_policy(tokenizer, chain, script.sft_seconds, seed)
+    policy = supervised_policy(tokenizer, chain, script.sft_steps, seed)
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
     # The draft learns from what the policy actually writes.
     samples = generate_texts(policy, tokenizer, prompts["prompt"][: script.warm_start_samples], temperature=1.0)
     draft_config = DraftTrainingConfig(
         output_dir=str(draft_dir),
-        max_time_s=script.warm_start_seconds,
-        max_steps=100_000,
+        max_steps=script.warm_start_steps,
         batch_size=32,
         max_length=64,
         learning_rate=2e-3,
@@ -168,7 +170,7 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     return policy_dir, draft_dir, prompts
 
 
-def supervised_policy(tokenizer, chain: torch.Tensor, seconds: float, seed: int):
+def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
     """A tiny Llama trained to continue the chain's sequences (prompt: 4 letters and ':', then 24 letters)."""
     policy = build_tiny_target(
         "llama",
@@ -183,8 +185,7 @@ def supervised_policy(tokenizer, chain: torch.Tensor, seconds: float, seed: int)
     )
     generator = torch.Generator().manual_seed(seed + 1)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.0)
-    started, step = time.perf_counter(), 0
-    while time.perf_counter() - started < seconds:
+    for step in range(1, steps + 1):
         texts = sample_letters(chain, 64, SEED_LENGTH + COMPLETION_LENGTH, generator)
         ids = [
             tokenizer(t[:SEED_LENGTH] + ":" + t[SEED_LENGTH:], add_special_tokens=False)["input_ids"]
@@ -196,8 +197,7 @@ def supervised_policy(tokenizer, chain: torch.Tensor, seconds: float, seed: int)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % 50 == 0:
+        if step % 100 == 0:
             print(f"[grpo_spec] supervised step {step}: loss {loss.item():.3f}")
     policy.generation_config.eos_token_id = tokenizer.eos_token_id
     policy.generation_config.pad_token_id = tokenizer.pad_token_id

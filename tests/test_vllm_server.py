@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import _hf_greedy, _tiny_prompts
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
 from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
@@ -205,7 +205,7 @@ def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory
                     pytest.fail(f"vllm-serve not ready in {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
                 time.sleep(0.5)
         drafts = {name: tiny_llama_drafts.state_dicts["reduced", name] for name in ("a", "b")}
-        prompts = _tiny_prompts(tiny_llama_dir)
+        prompts = tiny_prompts(tiny_llama_dir)
         yield ServerHandle(client=client, target_dir=tiny_llama_dir, drafts=drafts, prompts=[prompts[0], prompts[-1]])
     finally:
         _stop(process)
@@ -221,9 +221,9 @@ def test_health_and_versions(server):
 
 
 @pytest.mark.vllm
-def test_speculative_greedy_equals_hf_greedy(server):
+def test_speculative_greedy_equalshf_greedy(server):
     fresh = server.fresh_greedy
-    assert fresh.completion_ids == _hf_greedy(server.hf_target(), server.prompts, ROLLOUT_TOKENS)
+    assert fresh.completion_ids == hf_greedy(server.hf_target(), server.prompts, ROLLOUT_TOKENS)
     stats = fresh.spec_decode
     assert stats.num_drafts > 0 and stats.num_draft_tokens == 3 * stats.num_drafts
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens and len(stats.accepted_per_position) == 3
@@ -275,7 +275,7 @@ def test_policy_update_in_chunks_changes_greedy_like_hf(server):
     original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     perturbed = _perturbed(original, seed=11)
     model.load_state_dict(perturbed)
-    perturbed_greedy = _hf_greedy(model, server.prompts, ROLLOUT_TOKENS)
+    perturbed_greedy = hf_greedy(model, server.prompts, ROLLOUT_TOKENS)
     assert perturbed_greedy != server.fresh_greedy.completion_ids
     before = client.weights_version()
     try:

@@ -1,7 +1,11 @@
 """Run by tests/distributed/test_trainer_ddp.py under `torchrun --nproc_per_node 2` (gloo, CPU).
 
-Trains a tiny policy with co-training for a few steps and records, after every step, a checksum of the
-draft on this rank, plus the local (pre-averaging) and averaged draft gradients of the first update.
+Trains a tiny policy with co-training for a few steps and records, after every step, checksums of the
+draft and the policy on this rank, plus the local (pre-averaging) draft gradients of the first update.
+
+Mode ``ddp`` runs accelerate's DDP. Mode ``fsdp2`` shards the policy with FSDP2 (``fully_shard`` per decoder
+layer); accelerate only enables FSDP on accelerators, so this script switches its CPU state to FSDP2 itself,
+which runs the very code path a GPU launch with `examples/accelerate_configs/fsdp2.yaml` runs.
 """
 
 import json
@@ -9,6 +13,8 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from datasets import Dataset
 from transformers import TrainerCallback
 
@@ -20,14 +26,41 @@ class DraftRecorder(TrainerCallback):
     def __init__(self):
         self.trainer = None
         self.checksums = []
+        self.policy_checksums = []
 
     def on_step_end(self, args, state, control, **kwargs):  # runs after the draft update callback
         params = [p.detach().double() for p in self.trainer.draft.parameters()]
         self.checksums.append([float(p.sum()) for p in params] + [float((p * p).sum()) for p in params])
+        policy = [_local(p).detach().double() for p in self.trainer.model.parameters()]
+        self.policy_checksums.append(sum(float((p * p).sum()) for p in policy))
 
 
-def main(policy_dir: str, out_dir: str) -> None:
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (a DTensor), or the parameter itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _switch_accelerate_to_fsdp2_on_cpu() -> None:
+    init = AcceleratorState.__init__
+
+    def init_with_fsdp2(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+
+    AcceleratorState.__init__ = init_with_fsdp2
+
+
+def main(mode: str, policy_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    fsdp = {}
+    if mode == "fsdp2":
+        _switch_accelerate_to_fsdp2_on_cpu()
+        fsdp = {
+            "fsdp": True,
+            "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        }
     config = SpecCoTrainConfig(
         output_dir=out_dir,
         use_cpu=True,
@@ -43,11 +76,12 @@ def main(policy_dir: str, out_dir: str) -> None:
         draft_learning_rate=1e-3,
         draft_warmup_steps=0,
         disable_tqdm=True,
+        **fsdp,
     )
     prompts = Dataset.from_dict({"prompt": ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one", "two"]})
     trainer = SpecCoTrainGRPOTrainer(
         model=policy_dir,
-        reward_funcs=lambda completions, **kw: [c.count("a") / 8 for c in completions],
+        reward_funcs=lambda completions, **kw: [len(set(c)) / (1 + len(c)) for c in completions],
         args=config,
         train_dataset=prompts,
         processing_class=build_char_tokenizer(),
@@ -73,6 +107,10 @@ def main(policy_dir: str, out_dir: str) -> None:
         json.dumps(
             {
                 "world_size": trainer.accelerator.num_processes,
+                "fsdp": trainer.is_fsdp_enabled,
+                "policy_param_types": sorted({type(p).__name__ for p in trainer.model.parameters()}),
+                "policy_checksums": recorder.policy_checksums,
+                "draft_loss": [h["draft/loss"] for h in trainer.state.log_history if "draft/loss" in h],
                 "checksums": recorder.checksums,
                 "local_grad_sums": local_grads,
             }
@@ -81,4 +119,4 @@ def main(policy_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

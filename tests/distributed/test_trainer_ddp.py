@@ -1,6 +1,11 @@
-"""Co-training under DDP: 2 processes on gloo via torchrun."""
+"""Co-training under DDP and FSDP2: 2 processes on gloo via torchrun.
+
+Under FSDP2 the policy is sharded and the draft is replicated: it is small, its optimizer steps outside the
+policy's, and the rollout engine needs it whole every step; its gradients are averaged like DDP's.
+"""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -16,7 +21,8 @@ pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).with_name("ddp_cotrain_script.py")
 
 
-def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path, mode):
     policy_dir = save_tiny_target(
         tmp_path / "policy",
         "llama",
@@ -40,6 +46,7 @@ def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path
         "--master_port",
         str(port),
         str(SCRIPT),
+        mode,
         str(policy_dir),
         str(tmp_path / "out"),
     ]
@@ -50,6 +57,15 @@ def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path
     assert result.returncode == 0, log.read_text()[-4000:]
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(rank["world_size"] == 2 for rank in ranks)
+    assert all(rank["fsdp"] == (mode == "fsdp2") for rank in ranks)
+    if mode == "fsdp2":  # the policy really is sharded: each rank holds different halves of its parameters
+        assert ranks[0]["policy_param_types"] == ["DTensor"]
+        assert ranks[0]["policy_checksums"][0] != ranks[1]["policy_checksums"][0]
+    else:
+        assert ranks[0]["policy_checksums"] == ranks[1]["policy_checksums"]
+    # the policy trained (its GRPO loss had reward variance) and the draft's loss was logged and finite
+    assert ranks[0]["policy_checksums"][0] != ranks[0]["policy_checksums"][-1]
+    assert len(ranks[0]["draft_loss"]) == 3 and all(math.isfinite(loss) for loss in ranks[0]["draft_loss"])
     # The ranks saw different rollouts, so their local draft gradients differ...
     local = [rank["local_grad_sums"] for rank in ranks]
     assert local[0].keys() == local[1].keys() and local[0]
