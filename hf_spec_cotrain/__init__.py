@@ -14,10 +14,12 @@ __all__ = [
     "DraftTrainingConfig",
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
+    "PipelineCoTrainStep",
     "SpecCoTrainConfig",
     "SpecCoTrainGRPOTrainer",
     "SpeculativeOutput",
     "TTTOutput",
+    "TapChannel",
     "TapRecorder",
     "VLLMRolloutEngine",
     "__version__",
@@ -32,10 +34,12 @@ _MODULE_OF = {
     "DraftTrainingConfig": "warmstart",
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
+    "PipelineCoTrainStep": "parallel.pipeline",
     "SpecCoTrainConfig": "config",
     "SpecCoTrainGRPOTrainer": "trainer",
     "SpeculativeOutput": "generation.speculative",
     "TTTOutput": "ttt",
+    "TapChannel": "parallel.tap_channel",
     "TapRecorder": "taps",
     "VLLMRolloutEngine": "generation.vllm_engine",
     "branch_attention": "attention",
@@ -51,6 +55,8 @@ if TYPE_CHECKING:
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
     from .generation.speculative import SpeculativeOutput, speculative_generate
     from .generation.vllm_engine import VLLMRolloutEngine
+    from .parallel.pipeline import PipelineCoTrainStep
+    from .parallel.tap_channel import TapChannel
     from .taps import TapRecorder, default_aux_layer_ids
     from .trainer import SpecCoTrainGRPOTrainer
     from .ttt import TTTOutput, ttt_loss

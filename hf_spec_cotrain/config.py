@@ -74,6 +74,15 @@ class SpecCoTrainConfig(GRPOConfig):
             Push the co-trained draft, with its model card, to the Hub at the end of training.
         draft_hub_model_id (`str`, *optional*):
             Hub repository of the draft. Defaults to `<hub_model_id or output_dir name>-eagle3`.
+
+        > Parameters that control context parallelism
+
+        context_parallel_size (`int`, *optional*, defaults to `1`):
+            Ranks per context-parallel group (consecutive ranks). Each rank still generates its own rollouts; in
+            the training step the group runs the policy's GRPO forward and backward, and the draft's TTT, on each
+            member's micro-batch in turn, packed as documents and zigzag-sharded across the group (ring attention),
+            so that a rank holds `1 / context_parallel_size` of each sequence's activations. Gradients equal those
+            of plain data parallelism over the same ranks. The world size must be a multiple of it.
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS
@@ -123,6 +132,13 @@ class SpecCoTrainConfig(GRPOConfig):
     draft_hub_model_id: str | None = field(
         default=None, metadata={"help": "Hub repository of the draft (default: <hub_model_id>-eagle3)."}
     )
+    context_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks per context-parallel group: the policy's training forward/backward and the draft's TTT "
+            "run on sequences zigzag-sharded across the group (ring attention). Must divide the world size."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -164,4 +180,26 @@ class SpecCoTrainConfig(GRPOConfig):
                 f"Speculative rollouts without vLLM support temperature, top_p and top_k, not "
                 f"repetition_penalty={self.repetition_penalty} or min_p={self.min_p}: unset those or set "
                 "`speculative_decoding=False`."
+            )
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        """Options that the context-parallel training step cannot honour (the world size is checked by the trainer,
+        which knows it)."""
+        size = self.context_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"`context_parallel_size`={size!r} is not allowed: it must be an int >= 1.")
+        if size == 1:
+            return
+        incompatible = {
+            "use_liger_kernel": self.use_liger_kernel,  # its GRPO loss reads unsharded hidden states
+            "deepspeed": self.deepspeed,
+            "fsdp": self.fsdp,
+            "pipeline_parallel_size": getattr(self, "pipeline_parallel_size", 1) > 1,
+        }
+        enabled = [name for name, value in incompatible.items() if value]
+        if enabled:
+            raise ValueError(
+                f"`context_parallel_size`={size} cannot be combined with {enabled}: context parallelism runs on DDP "
+                "(or a single process per group) with the plain GRPO loss. Unset them or set `context_parallel_size=1`."
             )

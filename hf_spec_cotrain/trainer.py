@@ -12,11 +12,13 @@ What the subclass adds, hook by hook:
   to plain generation (logged) when the draft cannot be used.
 * ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: checkpoints hold the draft (a vLLM-loadable folder)
   and its optimizer and scheduler state.
+* ``_context_parallel_training_step`` (``context_parallel_size > 1``): the policy's GRPO forward/backward and the
+  draft's TTT run on zigzag shards of each group member's micro-batch in turn (see its docstring).
 """
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -30,11 +32,13 @@ from trl.data_utils import apply_chat_template, is_conversational
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from .attention.hf_adapter import zigzag_ring_attention
 from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
 from .generation.client import VLLMServerClient
 from .generation.speculative import speculative_generate
 from .hub import push_draft_folder, render_draft_card
+from .parallel.policy_context_parallel import PackedRows, pack_rows, policy_log_probs
 from .taps import TapRecorder, Taps
 from .ttt import ttt_loss
 
@@ -90,12 +94,15 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
         self.draft_skipped_steps = 0
         self._draft_step_has_nonfinite = False
-        self._pending_taps: list[tuple[Taps, torch.Tensor, torch.Tensor]] = []
+        # (taps, attention_mask, loss_mask, cu_seqlens): padded rows, or a context-parallel shard of packed rows
+        self._pending_taps: list[tuple[Taps, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
         self._draft_micro_metrics: list[torch.Tensor] = []
         self.acceptance_history: list[tuple[int, float]] = []
         self.add_callback(_DraftUpdateCallback(self))
         self.rollout_engine = self._build_rollout_engine() if speculative_vllm else None
         self._engine_synced_step = -1
+        self.context_parallel_group = self._build_context_parallel_group()
+        self._context_parallel_rows: PackedRows | None = None
 
     # ------------------------------------------------------------------ the draft
 
@@ -156,16 +163,22 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         taps = recorder.pop_all()
         if len(taps) != 1:
             raise RuntimeError(f"Expected one recorded policy forward per micro-batch, got {len(taps)}.")
+        rows = self._context_parallel_rows
+        if rows is not None:  # context parallelism: the taps are this rank's shard of the packed rows
+            self._pending_taps.append((taps[0], None, rows.loss_mask, rows.cu_seqlens))
+            return loss
         completion_mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             completion_mask = completion_mask * inputs["tool_mask"]
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         # The draft learns to predict the tokens the policy generated (the ones rollouts will draft).
         loss_mask = torch.cat([torch.zeros_like(inputs["prompt_mask"]), completion_mask], dim=1)
-        self._pending_taps.append((taps[0], attention_mask, loss_mask))
+        self._pending_taps.append((taps[0], attention_mask, loss_mask, None))
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.context_parallel_group is not None:
+            return self._context_parallel_training_step(model, inputs, num_items_in_batch)
         loss = super().training_step(model, inputs, num_items_in_batch)
         while self._pending_taps:
             self._draft_micro_step(*self._pending_taps.pop(0))
@@ -179,8 +192,17 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         rows = weight.detach()[self.draft.draft_to_target_ids.to(weight.device)]
         return final_hidden.to(rows.dtype) @ rows.T
 
-    def _draft_micro_step(self, taps: Taps, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    def _draft_micro_step(
+        self,
+        taps: Taps,
+        attention_mask: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> None:
+        """The draft's TTT on one forward's taps: padded rows (``attention_mask``), or, under context parallelism,
+        this rank's zigzag shard of packed documents (``cu_seqlens``, global)."""
         args = self.args
+        cp_group = self.context_parallel_group if cu_seqlens is not None else None
         with torch.no_grad():
             teacher = self._teacher_logits(taps.final_hidden)
         out = ttt_loss(
@@ -189,11 +211,19 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             input_embeds=taps.embeddings,
             teacher_logits=teacher,
             loss_mask=loss_mask.bool(),
-            attention_mask=attention_mask.bool(),
+            attention_mask=None if attention_mask is None else attention_mask.bool(),
+            cu_seqlens=cu_seqlens,
             ttt_steps=args.ttt_steps,
             step_weight_decay=args.ttt_step_weight_decay,
+            cp_group=cp_group,
         )
-        finite = bool(torch.isfinite(out.loss))
+        total_loss = out.loss.detach()
+        if cp_group is not None:
+            # `out.loss` is this rank's share; the step losses are global, so every rank of the group takes the same
+            # decision below (a backward on some ranks only would hang the ring).
+            weights = args.ttt_step_weight_decay ** torch.arange(args.ttt_steps, device=out.step_losses.device)
+            total_loss = (weights * out.step_losses).sum()
+        finite = bool(torch.isfinite(total_loss))
         if finite:
             scale = self.current_gradient_accumulation_steps * args.draft_update_interval
             (out.loss / scale).backward()
@@ -202,7 +232,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self._draft_micro_metrics.append(
             torch.cat(
                 [
-                    out.loss.detach().float().view(1),
+                    total_loss.float().view(1),
                     out.step_losses.float(),
                     out.step_accuracies.float(),
                     out.step_counts.float(),
@@ -264,6 +294,124 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         metrics["draft/grad_norm"].append(float(grad_norm))
         metrics["draft/lr"].append(self.draft_scheduler.get_last_lr()[0])
         metrics["draft/skipped_steps"].append(float(self.draft_skipped_steps))
+
+    # ------------------------------------------------------------------ context parallelism
+
+    def _build_context_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's group of ``context_parallel_size`` consecutive ranks; None without context parallelism."""
+        size = self.args.context_parallel_size
+        if size == 1:
+            return None
+        world_size = self.accelerator.num_processes
+        if world_size % size:
+            raise ValueError(
+                f"`context_parallel_size`={size} must divide the world size ({world_size} processes): launch a "
+                f"multiple of {size} processes, or lower `context_parallel_size`."
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("`context_parallel_size` > 1 runs on DDP; it cannot be combined with DeepSpeed or FSDP.")
+        rank, group = self.accelerator.process_index, None
+        for start in range(0, world_size, size):  # every rank creates every group, in the same order
+            members = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                group = members
+        return group
+
+    def _context_parallel_training_step(self, model, inputs, num_items_in_batch):
+        """``training_step`` under context parallelism: every member's micro-batch in turn, sharded across the group.
+
+        Rollouts stay per rank (``_prepare_inputs``): each rank generates and scores its own rows, as under data
+        parallelism, so no rank generates anything twice and TRL's sampling, rewards and advantages are untouched.
+        The group then takes its members' micro-batches one after the other: for each, every rank runs the policy's
+        GRPO forward and backward on its zigzag shard of the packed rows (ring attention in the policy's layers,
+        `policy_log_probs`), then the draft's TTT on the taps of that forward (`ttt_loss(..., cp_group=...)`). A rank
+        thus holds ``1 / context_parallel_size`` of one micro-batch's activations at a time. Each rank's policy and
+        draft gradients are its positions' share of every member's loss, so the average over the world (DDP for the
+        policy, `_draft_update` for the draft) equals data parallelism's gradient over the same rows.
+        """
+        started = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        group = self.context_parallel_group
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, _inputs_to(inputs, "cpu"), group=group)
+        losses = []
+        for index, member_inputs in enumerate(members):
+            member_inputs = _inputs_to(member_inputs, self.accelerator.device)
+            # DDP synchronises the accumulated gradients in the last member's backward (if this micro-step syncs).
+            sync = nullcontext() if index == len(members) - 1 else self.accelerator.no_sync(model)
+            # The backward stays inside: gradient checkpointing recomputes the attention layers there.
+            with sync, zigzag_ring_attention(self._policy()):
+                self._context_parallel_rows = self._pack_rows(member_inputs)
+                try:
+                    with self.compute_loss_context_manager():
+                        loss = self.compute_loss(model, member_inputs, num_items_in_batch=num_items_in_batch)
+                    if (
+                        not self.model_accepts_loss_kwargs or num_items_in_batch is None
+                    ) and self.compute_loss_func is None:  # as Trainer.training_step (TRL's loss is scaled already)
+                        loss = loss / self.current_gradient_accumulation_steps
+                    self.accelerator.backward(loss)
+                finally:
+                    self._context_parallel_rows = None
+            losses.append(loss.detach())
+            while self._pending_taps:
+                self._draft_micro_step(*self._pending_taps.pop(0))
+        # What GRPOTrainer.training_step records around the base step: the micro-step counter and the step time.
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - started
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return torch.stack(losses).mean()
+
+    def _pack_rows(self, inputs) -> PackedRows:
+        multimodal = [
+            key for key in ("pixel_values", "image_grid_thw", "token_type_ids") if inputs.get(key) is not None
+        ]
+        if multimodal:
+            raise ValueError(f"Context parallelism supports text-only policies; this batch has {multimodal}.")
+        completion_mask = inputs["completion_mask"]
+        return pack_rows(
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            completion_mask,
+            rank=dist.get_rank(self.context_parallel_group),
+            world_size=dist.get_world_size(self.context_parallel_group),
+            pad_token_id=self._tokenizer.pad_token_id,
+            completion_loss_mask=completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask,
+        )
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **kwargs,
+    ):
+        rows = self._context_parallel_rows
+        if rows is None:
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **kwargs,
+            )
+        if compute_aux_loss:
+            raise ValueError("Context parallelism does not support the MoE auxiliary loss (`router_aux_loss_coef`).")
+        with self.accelerator.autocast():
+            logps, entropies = policy_log_probs(model, rows, group=self.context_parallel_group)
+        return logps, entropies if compute_entropy else None, None
 
     # ------------------------------------------------------------------ speculative rollouts
 
@@ -548,6 +696,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             if self.args.push_draft_to_hub:
                 self.push_draft_to_hub()
         return output
+
+
+def _inputs_to(inputs: dict, device) -> dict:
+    """A micro-batch dict with its tensors on `device` (other values as they are)."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
 
 
 class _DraftUpdateCallback(TrainerCallback):

@@ -1,12 +1,21 @@
-"""Parallelism for the draft: context parallelism on the zigzag layout (DESIGN.md section 5).
+"""Parallelism: context parallelism on the zigzag layout (DESIGN.md section 5) and pipeline parallelism with
+taps sent to the draft's stage (section 6).
 
 `zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout;
 `ZigzagHalo` shifts the TTT inputs across shards; `all_reduce_gradients` is the reduction the caller applies
 to the draft's gradients after a context-parallel `ttt_loss`. The ring attention itself is
 `hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
+
+`PipelineCoTrainStep` runs the GRPO step of a policy cut into pipeline stages, with the draft co-trained on
+the last stage from taps that travel over a `TapChannel`. Those names are imported lazily: the pipeline pulls
+in transformers and `torch.distributed.pipelining`, which context parallelism does not need.
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from .context_parallel import ZigzagHalo, all_reduce_gradients
+from .policy_context_parallel import PackedRows, pack_rows, policy_log_probs
 from .zigzag import (
     DocumentPadding,
     pad_documents,
@@ -21,9 +30,19 @@ from .zigzag import (
 
 __all__ = [
     "DocumentPadding",
+    "GRPOBatch",
+    "PackedRows",
+    "PipelineCoTrainStep",
+    "PipelineStepOutput",
+    "TapChannel",
+    "TapMismatchError",
     "ZigzagHalo",
     "all_reduce_gradients",
+    "pack_rows",
     "pad_documents",
+    "policy_log_probs",
+    "stage_layer_ranges",
+    "stream_pipeline_weights",
     "zigzag_bounds",
     "zigzag_indices",
     "zigzag_owner",
@@ -31,3 +50,31 @@ __all__ = [
     "zigzag_shard",
     "zigzag_unshard",
 ]
+
+_MODULE_OF = {
+    "GRPOBatch": "pipeline",
+    "PipelineCoTrainStep": "pipeline",
+    "PipelineStepOutput": "pipeline",
+    "TapChannel": "tap_channel",
+    "TapMismatchError": "tap_channel",
+    "stage_layer_ranges": "pipeline",
+    "stream_pipeline_weights": "pipeline",
+}
+
+if TYPE_CHECKING:
+    from .pipeline import (
+        GRPOBatch,
+        PipelineCoTrainStep,
+        PipelineStepOutput,
+        stage_layer_ranges,
+        stream_pipeline_weights,
+    )
+    from .tap_channel import TapChannel, TapMismatchError
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

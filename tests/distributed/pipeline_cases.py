@@ -1,0 +1,94 @@
+"""Shared by the pipeline tests and their torchrun script: tiny policies, drafts, GRPO batches, and the
+single-process co-training step every pipelined step must reproduce."""
+
+import torch
+
+from hf_spec_cotrain import Eagle3DraftModel
+from hf_spec_cotrain.draft import count_tokens
+from hf_spec_cotrain.parallel.pipeline import GRPOBatch, grpo_loss
+from hf_spec_cotrain.taps import TapRecorder
+from hf_spec_cotrain.testing import build_tiny_target
+from hf_spec_cotrain.ttt import ttt_loss
+
+
+POLICY_KWARGS = dict(
+    num_layers=8, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=96
+)
+AUX_LAYER_IDS = (2, 4, 5)
+DRAFT_VOCAB_SIZE = 40
+TEMPERATURE = 0.9
+
+
+def build_policy(family: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The same policy on every process (seeded), in training mode."""
+    return build_tiny_target(family, **POLICY_KWARGS, seed=0, dtype=dtype).train()
+
+
+def build_draft(policy: torch.nn.Module) -> Eagle3DraftModel:
+    """A draft with a reduced vocabulary (the teacher reads lm_head rows), the same on every process, in the
+    policy's dtype."""
+    vocab_size = policy.config.vocab_size
+    counts = count_tokens(
+        [torch.randint(0, vocab_size, (2000,), generator=torch.Generator().manual_seed(5))], vocab_size
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        draft = Eagle3DraftModel.from_target(
+            policy, aux_layer_ids=AUX_LAYER_IDS, draft_vocab_size=DRAFT_VOCAB_SIZE, token_counts=counts
+        )
+    return draft.to(policy.dtype).train()
+
+
+def make_batch(seed: int, *, rows: int = 8, prompt_length: int = 5, completion_length: int = 7, vocab_size: int = 100):
+    """Left-padded prompts, right-padded completions of several lengths, old log-probs that clip both ways."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(rows, prompt_length, dtype=torch.long)
+    completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
+    for row in range(rows):
+        prompt_mask[row, : row % 3] = 0
+        completion_mask[row, completion_length - row % 4 :] = 0
+    return GRPOBatch(
+        prompt_ids=torch.randint(4, vocab_size, (rows, prompt_length), generator=generator),
+        prompt_mask=prompt_mask,
+        completion_ids=torch.randint(4, vocab_size, (rows, completion_length), generator=generator),
+        completion_mask=completion_mask,
+        advantages=torch.randn(rows, generator=generator),
+        old_per_token_logps=-6 * torch.rand(rows, completion_length, generator=generator),
+    )
+
+
+def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_IDS):
+    """One process, whole model: the policy's GRPO loss and the draft's `TTTOutput`, both backpropagated."""
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    completion_length = batch.completion_ids.shape[1]
+    with TapRecorder(policy, aux_layer_ids, record_embeddings=True, record_final_hidden=True) as recorder:
+        with recorder.capture():
+            logits = policy(input_ids=input_ids, attention_mask=attention_mask).logits
+        taps = recorder.pop()
+    loss = grpo_loss(
+        logits[:, -completion_length - 1 : -1],
+        batch.completion_ids,
+        batch.completion_mask,
+        batch.advantages,
+        batch.old_per_token_logps,
+        temperature=TEMPERATURE,
+    )
+    loss.backward()
+    if draft is None:
+        return loss.detach(), None
+    rows = policy.lm_head.weight.detach()[draft.draft_to_target_ids]
+    out = ttt_loss(
+        draft,
+        aux_hidden_states=taps.aux_hidden_states,
+        input_embeds=taps.embeddings,
+        teacher_logits=taps.final_hidden @ rows.T,
+        loss_mask=torch.cat([torch.zeros_like(batch.prompt_mask), batch.completion_mask], dim=1).bool(),
+        attention_mask=attention_mask.bool(),
+    )
+    out.loss.backward()
+    return loss.detach(), out
+
+
+def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}

@@ -1,0 +1,143 @@
+"""The pipeline's GRPO loss against TRL's own `_compute_loss`, and the stage split (single process)."""
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_spec_cotrain.parallel.pipeline import grpo_loss, grpo_per_token_logps, stage_layer_ranges
+from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return str(
+        save_tiny_target(
+            tmp_path_factory.mktemp("policy"),
+            "qwen3",
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=96,
+        )
+    )
+
+
+def _trl_trainer(policy_dir, tmp_path, **overrides):
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=9,
+        **overrides,
+    )
+    trainer = GRPOTrainer(
+        model=policy_dir,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"]}),
+        processing_class=build_char_tokenizer(),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _inputs(vocab_size: int, *, with_old: bool, seed: int = 0):
+    """A TRL-shaped micro-batch: left-padded prompts, right-padded completions, some old log-probs far off."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, prompt_length, completion_length = 6, 5, 9
+    prompt_mask = torch.ones(rows, prompt_length, dtype=torch.long)
+    completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
+    for row in range(rows):
+        prompt_mask[row, : row % 3] = 0
+        completion_mask[row, completion_length - (2 * row) % 7 :] = 0
+    inputs = {
+        "prompt_ids": torch.randint(4, vocab_size, (rows, prompt_length), generator=generator),
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(4, vocab_size, (rows, completion_length), generator=generator),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(rows, generator=generator),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    if with_old:
+        inputs["old_per_token_logps"] = -5 * torch.rand(rows, completion_length, generator=generator)
+    return inputs
+
+
+@pytest.mark.parametrize(
+    "overrides, with_old",
+    [
+        ({}, False),
+        ({"temperature": 0.7}, True),
+        ({"epsilon": 0.1, "epsilon_high": 0.28, "temperature": 1.3}, True),
+    ],
+)
+def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with_old):
+    trainer = _trl_trainer(policy_dir, tmp_path, **overrides)
+    model = trainer.model
+    inputs = _inputs(model.config.vocab_size, with_old=with_old)
+    trl_loss = trainer._compute_loss(model, inputs)
+    trl_loss.backward()
+    trl_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    completion_length = inputs["completion_ids"].shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -completion_length - 1 : -1]
+    loss = grpo_loss(
+        logits,
+        inputs["completion_ids"],
+        inputs["completion_mask"],
+        inputs["advantages"],
+        inputs.get("old_per_token_logps"),
+        temperature=trainer.temperature,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        normalizer=inputs["num_items_in_batch"],
+    )
+    loss.backward()
+    assert loss.item() != 0.0
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        assert param.grad.abs().sum() > 0, name
+        torch.testing.assert_close(param.grad, trl_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    if with_old:  # the inputs do exercise the clipping on both sides
+        per_token = grpo_per_token_logps(logits, inputs["completion_ids"], temperature=trainer.temperature)
+        ratio = torch.exp(per_token - inputs["old_per_token_logps"])[inputs["completion_mask"].bool()]
+        assert (ratio < 1 - trainer.epsilon_low).any() and (ratio > 1 + trainer.epsilon_high).any()
+
+
+def test_grpo_loss_of_microbatches_sums_to_the_batch_loss():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 5, 11, generator=generator, dtype=torch.float64)
+    ids = torch.randint(0, 11, (8, 5), generator=generator)
+    mask = (torch.rand(8, 5, generator=generator) > 0.3).long()
+    advantages = torch.randn(8, generator=generator, dtype=torch.float64)
+    old = -3 * torch.rand(8, 5, generator=generator, dtype=torch.float64)
+    whole = grpo_loss(logits, ids, mask, advantages, old)
+    parts = sum(
+        grpo_loss(logits[rows], ids[rows], mask[rows], advantages[rows], old[rows], normalizer=mask.sum())
+        for rows in torch.arange(8).split(2)
+    )
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_stage_layer_ranges():
+    assert stage_layer_ranges(8, 2) == [range(0, 4), range(4, 8)]
+    assert stage_layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layer_ranges(6, 2, [2, 4]) == [range(0, 2), range(2, 6)]
+    with pytest.raises(ValueError, match="at most one per layer"):
+        stage_layer_ranges(3, 4)
+    with pytest.raises(ValueError, match="sum to the model's 6"):
+        stage_layer_ranges(6, 2, [3, 2])
+    with pytest.raises(ValueError, match="at least one layer"):
+        stage_layer_ranges(6, 2, [6, 0])
+    with pytest.raises(ValueError, match="num_stages"):
+        stage_layer_ranges(6, 0)
