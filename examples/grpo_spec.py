@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
         dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
         probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
+    if config.pipeline_parallel_size > 1 and probe_prompts:  # the probe needs the whole policy in one process
+        print("[grpo_spec] pipeline parallelism: the acceptance probe is off (no process holds the whole policy).")
+        probe_prompts = []
     reward_funcs = [load_reward(name) for name in script.reward_funcs]
 
     trainer = SpecCoTrainGRPOTrainer(

@@ -83,6 +83,24 @@ class SpecCoTrainConfig(GRPOConfig):
             member's micro-batch in turn, packed as documents and zigzag-sharded across the group (ring attention),
             so that a rank holds `1 / context_parallel_size` of each sequence's activations. Gradients equal those
             of plain data parallelism over the same ranks. The world size must be a multiple of it.
+
+        > Parameters that control pipeline parallelism
+
+        pipeline_parallel_size (`int`, *optional*, defaults to `1`):
+            Pipeline stages, one process each (the world size must equal it). The policy is cut into this many
+            stages (`hf_spec_cotrain.parallel.PipelineCoTrainStep`); the last holds the final norm, the lm_head,
+            the GRPO loss and the whole draft, and the other stages send it their taps. Each rank draws
+            `per_device_train_batch_size` rows as under data parallelism; the training step runs all ranks' rows
+            as one batch through the pipeline. Rank 0 generates every rollout with a full copy of the policy
+            (streamed to it stage by stage) and the draft.
+        pipeline_schedule (`str`, *optional*, defaults to `"1F1B"`):
+            `torch.distributed.pipelining` schedule: `"1F1B"` or `"GPipe"`.
+        pipeline_num_microbatches (`int`, *optional*, defaults to `4`):
+            Micro-batches per pipelined step (>= 4, and >= `pipeline_parallel_size` for 1F1B); must divide the
+            step's batch, `per_device_train_batch_size * pipeline_parallel_size`.
+        pipeline_tap_transport (`str`, *optional*, defaults to `"channel"`):
+            How taps reach the draft's stage: `"channel"` (`TapChannel`) or `"relay"` (taps ride the stage
+            outputs; the benchmark's baseline).
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS
@@ -139,6 +157,23 @@ class SpecCoTrainConfig(GRPOConfig):
             "run on sequences zigzag-sharded across the group (ring attention). Must divide the world size."
         },
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Pipeline stages, one process each: the policy is cut into stages, the last holding the lm_head, "
+            "the GRPO loss and the draft, which receives its taps over a TapChannel. Must equal the world size."
+        },
+    )
+    pipeline_schedule: str = field(default="1F1B", metadata={"help": "Pipeline schedule: '1F1B' or 'GPipe'."})
+    pipeline_num_microbatches: int = field(
+        default=4,
+        metadata={
+            "help": "Micro-batches per pipelined step (>= 4); must divide per_device_train_batch_size * stages."
+        },
+    )
+    pipeline_tap_transport: str = field(
+        default="channel", metadata={"help": "How taps reach the draft's stage: 'channel' (TapChannel) or 'relay'."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -182,6 +217,7 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`speculative_decoding=False`."
             )
         self._check_context_parallel()
+        self._check_pipeline_parallel()
 
     def _check_context_parallel(self) -> None:
         """Options that the context-parallel training step cannot honour (the world size is checked by the trainer,
@@ -202,4 +238,58 @@ class SpecCoTrainConfig(GRPOConfig):
             raise ValueError(
                 f"`context_parallel_size`={size} cannot be combined with {enabled}: context parallelism runs on DDP "
                 "(or a single process per group) with the plain GRPO loss. Unset them or set `context_parallel_size=1`."
+            )
+
+    def _check_pipeline_parallel(self) -> None:
+        """Options that the pipelined training step cannot honour (the world size is checked by the trainer)."""
+        size = self.pipeline_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"`pipeline_parallel_size`={size!r} is not allowed: it must be an int >= 1.")
+        if size == 1:
+            return
+        schedule = self.pipeline_schedule
+        if not isinstance(schedule, str) or schedule.lower() not in ("1f1b", "gpipe"):
+            raise ValueError(f"`pipeline_schedule`={schedule!r} is not allowed: choose '1F1B' or 'GPipe'.")
+        if self.pipeline_tap_transport not in ("channel", "relay"):
+            raise ValueError(
+                f"`pipeline_tap_transport`={self.pipeline_tap_transport!r} is not allowed: choose 'channel' or 'relay'."
+            )
+        microbatches = self.pipeline_num_microbatches
+        minimum = max(4, size if schedule.lower() == "1f1b" else 1)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < minimum:
+            raise ValueError(
+                f"`pipeline_num_microbatches`={microbatches!r} is not allowed: it must be an int >= {minimum} "
+                f"(at least 4, and at least `pipeline_parallel_size` under 1F1B)."
+            )
+        rows = self.per_device_train_batch_size * size
+        if rows % microbatches:
+            raise ValueError(
+                f"`pipeline_num_microbatches`={microbatches} does not divide the step's {rows} rows "
+                f"(`per_device_train_batch_size`={self.per_device_train_batch_size} x {size} stages): every "
+                "micro-batch has the same shape."
+            )
+        # The pipelined loss is TRL's dapo loss with beta=0 and token-level ratios (`grpo_loss`), and the stages
+        # cannot compute log-probs outside the pipeline (old log-probs of off-step rollouts, a reference model).
+        generate_every = self.steps_per_generation * self.num_iterations
+        incompatible = {
+            "use_vllm": self.use_vllm,
+            "deepspeed": self.deepspeed,
+            "fsdp": self.fsdp,
+            "use_liger_kernel": self.use_liger_kernel,
+            "context_parallel_size > 1": self.context_parallel_size > 1,
+            f"beta={self.beta}": self.beta != 0.0,
+            f"loss_type={self.loss_type!r}": self.loss_type != "dapo",
+            f"importance_sampling_level={self.importance_sampling_level!r}": self.importance_sampling_level != "token",
+            f"top_entropy_quantile={self.top_entropy_quantile}": self.top_entropy_quantile < 1.0,
+            "gradient_accumulation_steps not a multiple of steps_per_generation * num_iterations": (
+                self.gradient_accumulation_steps % generate_every != 0
+            ),
+            f"eval_strategy={getattr(self.eval_strategy, 'value', self.eval_strategy)!r}": self.eval_strategy != "no",
+        }
+        enabled = [name for name, value in incompatible.items() if value]
+        if enabled:
+            raise ValueError(
+                f"`pipeline_parallel_size`={size} cannot be combined with {enabled}: the pipelined step computes "
+                "TRL's default GRPO loss (loss_type='dapo', beta=0, token-level ratios) on plain processes, with "
+                "HF-native rollouts on rank 0. Change them or set `pipeline_parallel_size=1`."
             )

@@ -14,8 +14,12 @@ What the subclass adds, hook by hook:
   and its optimizer and scheduler state.
 * ``_context_parallel_training_step`` (``context_parallel_size > 1``): the policy's GRPO forward/backward and the
   draft's TTT run on zigzag shards of each group member's micro-batch in turn (see its docstring).
+* ``_pipeline_training_step`` (``pipeline_parallel_size > 1``): the policy is cut into stages, one per rank; every
+  stage runs all ranks' rows through `PipelineCoTrainStep`, the draft trains on the last stage, and rank 0 generates
+  every rollout with a full copy of the policy and the draft streamed to it (see `_build_pipeline`).
 """
 
+import copy
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -38,6 +42,7 @@ from .draft import Eagle3DraftModel, count_tokens
 from .generation.client import VLLMServerClient
 from .generation.speculative import speculative_generate
 from .hub import push_draft_folder, render_draft_card
+from .parallel.pipeline import GRPOBatch, PipelineCoTrainStep, stream_pipeline_weights
 from .parallel.policy_context_parallel import PackedRows, pack_rows, policy_log_probs
 from .taps import TapRecorder, Taps
 from .ttt import ttt_loss
@@ -103,6 +108,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self._engine_synced_step = -1
         self.context_parallel_group = self._build_context_parallel_group()
         self._context_parallel_rows: PackedRows | None = None
+        self.pipeline_step: PipelineCoTrainStep | None = None
+        self._rollout_policy = None  # under pipeline parallelism: rank 0's full copy of the policy, for rollouts
+        self._rollout_synced_step = -1
+        if args.pipeline_parallel_size > 1:
+            self._build_pipeline()
 
     # ------------------------------------------------------------------ the draft
 
@@ -179,6 +189,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.context_parallel_group is not None:
             return self._context_parallel_training_step(model, inputs, num_items_in_batch)
+        if self.pipeline_step is not None:
+            return self._pipeline_training_step(model, inputs, num_items_in_batch)
         loss = super().training_step(model, inputs, num_items_in_batch)
         while self._pending_taps:
             self._draft_micro_step(*self._pending_taps.pop(0))
@@ -246,7 +258,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         params = self.draft.trainable_parameters()
         grads = [p.grad for p in params if p.grad is not None]
         nonfinite = torch.tensor(float(self._draft_step_has_nonfinite), device=self.accelerator.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        pipeline = self.pipeline_step is not None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not pipeline:
             world = dist.get_world_size()
             for grad in grads:
                 dist.all_reduce(grad)
@@ -254,6 +267,10 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             dist.all_reduce(nonfinite)
         max_norm = args.draft_max_grad_norm if args.draft_max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if grads else torch.zeros(())
+        if pipeline:  # only the last stage has draft gradients (it alone steps); every rank takes its decision
+            decision = torch.stack([nonfinite.float(), grad_norm.float().to(nonfinite.device)])
+            dist.broadcast(decision, src=dist.get_world_size() - 1)
+            nonfinite, grad_norm = decision[0], decision[1]
         if nonfinite.item() > 0 or not torch.isfinite(grad_norm):
             self.draft_skipped_steps += 1
             logger.warning(
@@ -273,7 +290,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         k = self.args.ttt_steps
         local = torch.stack(self._draft_micro_metrics).to(self.accelerator.device)
         self._draft_micro_metrics.clear()
-        stacked = gather(local)  # [num_micro * world, 1 + 3K]
+        if self.pipeline_step is not None:  # the last stage's metrics (the other stages hold placeholders)
+            dist.broadcast(local, src=dist.get_world_size() - 1)
+            stacked = local
+        else:
+            stacked = gather(local)  # [num_micro * world, 1 + 3K]
         losses, step_losses, step_acc, counts = (
             stacked[:, 0],
             stacked[:, 1 : 1 + k],
@@ -413,6 +434,201 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             logps, entropies = policy_log_probs(model, rows, group=self.context_parallel_group)
         return logps, entropies if compute_entropy else None, None
 
+    # ------------------------------------------------------------------ pipeline parallelism
+
+    def _build_pipeline(self) -> None:
+        """Cut the policy into this rank's pipeline stage (``pipeline_parallel_size > 1``).
+
+        Every rank loaded the full policy; `PipelineCoTrainStep` cuts it in place, so the optimizer (built later by
+        the Trainer) holds this stage's parameters only. Rank 0 first keeps a full copy for rollouts: generation
+        needs the whole model, and the stages' weights are streamed into it before each generation
+        (`_sync_pipeline_rollout_weights`). The draft trains on the last stage; rank 0's draft is its rollout copy.
+        """
+        args = self.args
+        world_size, rank = self.accelerator.num_processes, self.accelerator.process_index
+        if world_size != args.pipeline_parallel_size:
+            raise ValueError(
+                f"`pipeline_parallel_size`={args.pipeline_parallel_size} must equal the world size ({world_size} "
+                "processes): launch one process per pipeline stage."
+            )
+        if (
+            self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or is_peft_model(self.accelerator.unwrap_model(self.model))
+        ):
+            raise ValueError("`pipeline_parallel_size` > 1 cuts a plain HF model: not with DeepSpeed, FSDP or PEFT.")
+        if self.tools:
+            raise ValueError(
+                "`pipeline_parallel_size` > 1 does not support tool calls: every stage must take part in each "
+                "rollout turn that rank 0 generates."
+            )
+        policy = self._policy()
+        if rank == 0:
+            self._rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+            # TRL patches `forward` per instance with a closure over the original's: the copy runs its own.
+            self._rollout_policy.__dict__.pop("forward", None)
+            self.draft.bind_target(self._rollout_policy)
+        is_last = rank == world_size - 1
+        self.pipeline_step = PipelineCoTrainStep(
+            policy,
+            draft=self.draft if is_last else None,
+            aux_layer_ids=self.aux_layer_ids,
+            schedule=args.pipeline_schedule,
+            num_microbatches=args.pipeline_num_microbatches,
+            tap_transport=args.pipeline_tap_transport,
+            temperature=self.temperature,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            ttt_steps=args.ttt_steps,
+            ttt_step_weight_decay=args.ttt_step_weight_decay,
+            device=self.accelerator.device,
+        )
+        # The stages hold different parameters: accelerate must not wrap this one in DDP (it would also try to
+        # average gradients across stages).
+        policy._is_accelerate_prepared = True
+
+    def _pipeline_training_step(self, model, inputs, num_items_in_batch):
+        """``training_step`` under pipeline parallelism: all ranks' rows as one batch through the pipeline.
+
+        Rollouts and scoring stay per rank as under data parallelism (``_prepare_inputs``; rank 0 generates for
+        all, `_pipeline_single_turn`), so TRL's sampling, rewards and advantages are untouched. The ranks then
+        exchange their micro-batches and every stage runs the same batch, the concatenation in rank order, through
+        `PipelineCoTrainStep.step`: the GRPO loss with TRL's whole-batch normaliser at the last stage, and the
+        draft's TTT on the taps there. The gradients are those of one process on all rows, which is what data
+        parallelism's average over the same ranks computes.
+        """
+        started = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        members = [None] * self.accelerator.num_processes
+        dist.all_gather_object(members, _inputs_to(inputs, "cpu"))
+        batch = self._pipeline_batch(members)
+        accumulation = self.current_gradient_accumulation_steps
+        # TRL's dapo normaliser of the whole batch (TRL divides it by the number of processes, whose gradients DDP
+        # averages; here one batch holds every process's rows).
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation / self.args.steps_per_generation
+        if (
+            not self.model_accepts_loss_kwargs or num_items_in_batch is None
+        ) and self.compute_loss_func is None:  # as Trainer.training_step
+            normalizer = normalizer * accumulation
+        out = self.pipeline_step.step(
+            batch,
+            loss_normalizer=normalizer.to(self.accelerator.device),
+            draft_loss_scale=1.0 / (accumulation * self.args.draft_update_interval),
+        )
+        last = self.accelerator.num_processes - 1
+        loss = torch.zeros((), device=self.accelerator.device) if out.policy_loss is None else out.policy_loss
+        dist.broadcast(loss, src=last)  # every rank reports the loss of the last stage
+        k = self.args.ttt_steps
+        if out.draft is None:  # a placeholder row: the last stage broadcasts the real ones (`_log_draft_metrics`)
+            self._draft_micro_metrics.append(torch.zeros(1 + 3 * k))
+        else:
+            draft = out.draft
+            if not torch.isfinite(draft.loss):
+                self._draft_step_has_nonfinite = True
+            self._draft_micro_metrics.append(
+                torch.cat(
+                    [
+                        draft.loss.detach().float().view(1),
+                        draft.step_losses.float(),
+                        draft.step_accuracies.float(),
+                        draft.step_counts.float(),
+                    ]
+                ).cpu()
+            )
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - started
+        if self._step % accumulation == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return loss.detach()
+
+    def _pipeline_batch(self, members: list[dict]) -> GRPOBatch:
+        """The ranks' micro-batches as one `GRPOBatch`: prompts left-padded and completions right-padded to the
+        longest, as one process holding all the rows would pad them."""
+        multimodal = [
+            key for key in ("pixel_values", "image_grid_thw", "token_type_ids") if members[0].get(key) is not None
+        ]
+        if multimodal:
+            raise ValueError(f"Pipeline parallelism supports text-only policies; this batch has {multimodal}.")
+        pad_id = self._tokenizer.pad_token_id
+
+        def cat(key: str, value: float, side: str) -> torch.Tensor:
+            rows = [row for member in members for row in member[key]]
+            return pad(rows, padding_value=value, padding_side=side)
+
+        def optional(key: str, value: float) -> torch.Tensor | None:
+            return cat(key, value, "right") if members[0].get(key) is not None else None
+
+        return GRPOBatch(
+            prompt_ids=cat("prompt_ids", pad_id, "left"),
+            prompt_mask=cat("prompt_mask", 0, "left"),
+            completion_ids=cat("completion_ids", pad_id, "right"),
+            completion_mask=cat("completion_mask", 0, "right"),
+            advantages=torch.cat([member["advantages"] for member in members]),
+            old_per_token_logps=optional("old_per_token_logps", 0.0),
+            tool_mask=optional("tool_mask", 0),
+        )
+
+    def _clip_grad_norm(self, model):
+        if self.pipeline_step is None:
+            return super()._clip_grad_norm(model)
+        return self.pipeline_step.clip_grad_norm_(self.args.max_grad_norm)  # the norm over every stage
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.pipeline_step is not None and grad_norm is None:
+            grad_norm = self.pipeline_step.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
+
+    def _sync_pipeline_rollout_weights(self) -> None:
+        """Stream every stage's weights into rank 0's full policy, and the last stage's draft into rank 0's draft
+        (every rank calls it)."""
+        is_last = self.accelerator.process_index == self.accelerator.num_processes - 1
+        policy_weights = stream_pipeline_weights(self.pipeline_step.state_dict(), dst=0)
+        draft_weights = stream_pipeline_weights(self.draft.state_dict() if is_last else {}, dst=0)
+        if self._rollout_policy is None:  # not rank 0: send only
+            for _ in (*policy_weights, *draft_weights):
+                pass
+            return
+        for model, weights in ((self._rollout_policy, policy_weights), (self.draft, draft_weights)):
+            target = model.state_dict()
+            received = set()
+            with torch.no_grad():
+                for name, tensor in weights:
+                    target[name].copy_(tensor)
+                    received.add(name)
+            if received != set(target):
+                raise RuntimeError(f"The stages sent no weights for {sorted(set(target) - received)}.")
+
+    def _pipeline_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        """Rank 0 generates every rank's rollouts with its full policy and the draft, fresh from the stages."""
+        if images is not None or multimodal_fields:
+            raise ValueError("Pipeline parallelism supports text-only rollouts.")
+        if self.state.global_step != self._rollout_synced_step:
+            self._sync_pipeline_rollout_weights()
+            self._rollout_synced_step = self.state.global_step
+        per_rank = [None] * self.accelerator.num_processes
+        dist.all_gather_object(per_rank, prompt_ids)
+        results = [None]
+        if self._rollout_policy is not None:
+            everyone = [ids for ids in per_rank for ids in ids]
+            wrapped, self.model_wrapped = self.model_wrapped, self._rollout_policy
+            try:
+                completions, logprobs = self._local_single_turn(everyone, None, {}, num_generations)
+            finally:
+                self.model_wrapped = wrapped
+            bounds = torch.tensor([0, *map(len, per_rank)]).cumsum(0).tolist()
+            results = [
+                [
+                    (completions[start:end], None if logprobs is None else logprobs[start:end])
+                    for start, end in zip(bounds[:-1], bounds[1:])
+                ]
+            ]
+        dist.broadcast_object_list(results, src=0)
+        return results[0][self.accelerator.process_index]
+
     # ------------------------------------------------------------------ speculative rollouts
 
     def _build_rollout_engine(self):
@@ -516,6 +732,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         return out.completion_ids, None
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.pipeline_step is not None:
+            return self._pipeline_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        return self._local_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _local_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         plain = (
             not self.args.speculative_decoding
             or self.use_vllm
@@ -607,14 +828,16 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             ],
             device=self.accelerator.device,
         )
-        total = gather(local.unsqueeze(0)).sum(0)
+        pipeline = self.pipeline_step is not None  # rank 0 alone generated, for every rank
+        total = local if pipeline else gather(local.unsqueeze(0)).sum(0)
+        generating_processes = 1 if pipeline else self.accelerator.num_processes
         drafts = total[0].clamp(min=1)
         metrics = self._metrics[mode]
         acceptance = 1.0 + (total[1] / drafts).item()
         metrics["spec/acceptance_length"].append(acceptance)
         for position in range(k):
             metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
-        metrics["spec/tokens_per_second"].append((total[2] / (total[3] / self.accelerator.num_processes)).item())
+        metrics["spec/tokens_per_second"].append((total[2] / (total[3] / generating_processes)).item())
         if mode == "train":
             self.acceptance_history.append((self.state.global_step, acceptance))
 
@@ -634,6 +857,18 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 },
                 folder / DRAFT_STATE_FILE,
             )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.pipeline_step is None:
+            return super().save_model(output_dir, _internal_call)
+        # Every rank streams its stage; rank 0 saves the full policy (and its draft is now the last stage's).
+        self._sync_pipeline_rollout_weights()
+        if self.args.should_save:
+            stage, self.model = self.model, self._rollout_policy
+            try:
+                super().save_model(output_dir, _internal_call)
+            finally:
+                self.model = stage
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -689,8 +924,15 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         base = self.args.hub_model_id or Path(self.args.output_dir).name
         return f"{base}-eagle3"
 
-    def train(self, *args, **kwargs):
-        output = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.pipeline_step is not None and resume_from_checkpoint not in (None, False):
+            raise ValueError(
+                f"`resume_from_checkpoint`={resume_from_checkpoint!r}: resuming is not supported under pipeline "
+                "parallelism yet (a checkpoint holds the full policy, but only the first stage's optimizer state)."
+            )
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.pipeline_step is not None and self.args.save_draft:
+            self._sync_pipeline_rollout_weights()  # the last stage's draft reaches rank 0, which saves it
         if self.args.save_draft and self.args.should_save:
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
             if self.args.push_draft_to_hub:
