@@ -118,6 +118,11 @@ def main():
     sizes = ["tiny"] if args.quick else ["tiny", "mid"]
     steps = args.steps or (6 if args.quick else 10)
     rows = []
+    header = f"{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{'co-training s/step':>20}{'ratio':>8}"
+
+    def show(size, kind, plain, cotrain):
+        print(f"{size:<8}{kind:<15}{plain:>19.3f}{cotrain:>20.3f}{cotrain / plain:>8.3f}", flush=True)
+
     with tempfile.TemporaryDirectory() as root:
         for size in sizes:
             policy_dir = str(save_tiny_target(Path(root, size), "llama", **SIZES[size]))
@@ -130,9 +135,11 @@ def main():
                     cotrain += run(policy_dir, cotrain=True, fixed=fixed, steps=steps, **shapes)
                 kind = "training only" if fixed else "full step"
                 rows.append((size, kind, statistics.median(plain), statistics.median(cotrain)))
-    print(f"\n{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{'co-training s/step':>20}{'ratio':>8}")
-    for size, kind, plain, cotrain in rows:
-        print(f"{size:<8}{kind:<15}{plain:>19.3f}{cotrain:>20.3f}{cotrain / plain:>8.3f}")
+                print(f"[bench] {header}", flush=True)  # each row as soon as it is measured
+                show(*rows[-1])
+    print(f"\n{header}")
+    for row in rows:
+        show(*row)
     full = [c / p for _, kind, p, c in rows if kind == "full step"]
     print("goal: full-step ratio <= 1.10 ->", "met" if all(r <= 1.10 for r in full) else "NOT met")
 

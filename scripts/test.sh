@@ -21,5 +21,5 @@ run_pytest() {
     # 5 = no test collected for this selection: not a failure of the suite.
     if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
 }
-run_pytest -q -m "not vllm" "$@"
-run_pytest -q -m "vllm" "$@"
+run_pytest -q --durations=15 -m "not vllm" "$@"
+run_pytest -q --durations=10 -m "vllm" "$@"
