@@ -35,6 +35,10 @@ class SpecCoTrainConfig(GRPOConfig):
             Unrolled steps K of the training-time-test loss.
         ttt_step_weight_decay (`float`, *optional*, defaults to `0.8`):
             The loss of step d is weighted by `ttt_step_weight_decay ** d`.
+        ttt_gradient_checkpointing (`bool`, *optional*, defaults to `False`):
+            Recompute each unrolled step's draft layers in the backward instead of keeping their activations:
+            for long completions, where the draft's MLP activations dominate its memory, at the cost of about
+            one more draft forward.
         draft_learning_rate (`float`, *optional*, defaults to `2e-4`):
             Peak learning rate of the draft's own AdamW optimizer.
         draft_weight_decay (`float`, *optional*, defaults to `0.0`):
@@ -120,6 +124,10 @@ class SpecCoTrainConfig(GRPOConfig):
     ttt_steps: int = field(default=3, metadata={"help": "Unrolled steps K of the training-time-test loss."})
     ttt_step_weight_decay: float = field(
         default=DEFAULT_STEP_WEIGHT_DECAY, metadata={"help": "Loss weight of TTT step d: ttt_step_weight_decay**d."}
+    )
+    ttt_gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each TTT step's draft layers in the backward (less memory, ~1 more forward)."},
     )
     draft_learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of the draft."})
     draft_weight_decay: float = field(default=0.0, metadata={"help": "Weight decay of the draft's optimizer."})

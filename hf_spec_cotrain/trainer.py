@@ -228,6 +228,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             ttt_steps=args.ttt_steps,
             step_weight_decay=args.ttt_step_weight_decay,
             cp_group=cp_group,
+            gradient_checkpointing=args.ttt_gradient_checkpointing,
         )
         total_loss = out.loss.detach()
         if cp_group is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from .attention import branch_attention
 from .attention.masks import document_ids, positions_in_document
@@ -47,6 +48,7 @@ def ttt_loss(
     ttt_steps: int = 3,
     step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY,
     cp_group: dist.ProcessGroup | None = None,
+    gradient_checkpointing: bool = False,
 ) -> TTTOutput:
     r"""
     The K-step TTT loss: ``sum_d w_d * mean_{counted}(-sum p_teacher log q_draft)`` with ``w_d = decay**d``.
@@ -74,6 +76,8 @@ def ttt_loss(
             after ``loss.backward()`` on every rank, SUM the draft's gradients over the group
             (``hf_spec_cotrain.parallel.all_reduce_gradients``) to get the single-device gradient. The metrics
             are global.
+        gradient_checkpointing: recompute each unrolled step's draft layers in the backward instead of keeping
+            their activations (the MLP's dominate at long L); costs about one more draft forward.
     """
     if isinstance(ttt_steps, bool) or not isinstance(ttt_steps, int) or ttt_steps < 1:
         raise ValueError(f"`ttt_steps`={ttt_steps!r} is not allowed: the draft is unrolled for an int >= 1 steps.")
@@ -142,18 +146,29 @@ def ttt_loss(
     step_losses, step_accuracies, step_counts = [], [], []
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for step in range(ttt_steps):
+        # `attend` reads the K/V of earlier steps from a snapshot and only records this step's, so that a
+        # checkpointed step recomputes exactly what its forward computed.
+        earlier, recorded = {layer: list(pairs) for layer, pairs in branch.items()}, {}
 
-        def attend(layer, q, k, v, step=step):
+        def attend(layer, q, k, v, step=step, earlier=earlier, recorded=recorded):
+            recorded[layer] = (k, v)
             if step == 0:
-                trunk[layer] = (k, v)
                 return branch_attention(q, k, v, cu_seqlens=cu_seqlens, cp_group=cp_group)
-            branch.setdefault(layer, []).append((k, v))
-            branch_k = torch.stack([bk for bk, _ in branch[layer]])
-            branch_v = torch.stack([bv for _, bv in branch[layer]])
+            pairs = [*earlier.get(layer, []), (k, v)]
+            branch_k = torch.stack([bk for bk, _ in pairs])
+            branch_v = torch.stack([bv for _, bv in pairs])
             return branch_attention(q, *trunk[layer], branch_k, branch_v, cu_seqlens=cu_seqlens, cp_group=cp_group)
 
         embeds = shifts.shift(embeds_source, 1 + step)
-        hidden = draft.backbone(embeds, hidden, position_ids + step, attend)
+        if gradient_checkpointing and torch.is_grad_enabled():
+            hidden = checkpoint(draft.backbone, embeds, hidden, position_ids + step, attend, use_reentrant=False)
+        else:
+            hidden = draft.backbone(embeds, hidden, position_ids + step, attend)
+        for layer, pair in recorded.items():
+            if step == 0:
+                trunk[layer] = pair
+            else:
+                branch.setdefault(layer, []).append(pair)
         teacher = shifts.shift(teacher_source, 1 + step)
         loss, accuracy, count = head_soft_cross_entropy(
             draft.compute_logits,

@@ -17,6 +17,7 @@ goal "at L = 8192 the blockwise peak memory is <= 0.1x the dense one" is then me
 
     python scripts/bench_ttt.py            # L = 1K .. 16K; about 12 CPU minutes on 1 thread, ~15 GB at L = 8192
     python scripts/bench_ttt.py --quick    # L = 1K, 2K, 4K; about 4 CPU minutes
+    python scripts/bench_ttt.py --lengths 8192 --gradient_checkpointing   # each TTT step recomputed in backward
 """
 
 import argparse
@@ -55,6 +56,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="torch threads; 1 by default because a shared 2-core machine makes multi-threaded timings erratic",
     )
     parser.add_argument("--dense_limit_gb", type=float, default=16.0, help="skip the dense path above this estimate")
+    parser.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="ttt_loss(gradient_checkpointing=True) on every path: each step's draft layer recomputed in backward",
+    )
     parser.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     return parser
@@ -121,6 +127,7 @@ def run_child(args: argparse.Namespace) -> None:
             teacher_logits=teacher,
             cu_seqlens=cu_seqlens,
             ttt_steps=args.ttt_steps,
+            gradient_checkpointing=args.gradient_checkpointing,
         )
         out.loss.backward()
         seconds = (time.perf_counter() - start, time.process_time() - cpu_start)
@@ -177,6 +184,8 @@ def measure(args: argparse.Namespace, path: str, length: int) -> dict | None:
     )
     for flag in flags:
         command += [f"--{flag}", str(getattr(args, flag))]
+    if args.gradient_checkpointing:
+        command.append("--gradient_checkpointing")
     completed = subprocess.run(command, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         print(f"{path} L={length} failed (exit {completed.returncode}):\n{completed.stderr[-2000:]}", file=sys.stderr)
@@ -217,7 +226,8 @@ def main() -> None:
     print(
         f"TTT loss forward+backward, float32, B=1 packed ({len(DOCUMENT_FRACTIONS)} documents), K={args.ttt_steps}; "
         f"draft: 1 layer, hidden {args.hidden_size}, Hq={args.num_q_heads}, Hkv={args.num_kv_heads}, "
-        f"D={args.head_dim}, draft vocab {args.draft_vocab_size}; {args.threads} thread(s).\n"
+        f"D={args.head_dim}, draft vocab {args.draft_vocab_size}; {args.threads} thread(s); gradient checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}.\n"
         f"Time = {'CPU' if clock == 'cpu_seconds' else 'wall-clock'} seconds per step, median of <= {args.repeats} "
         f"(repeats stop after {args.budget_s:g} s); dense skipped above an estimated {args.dense_limit_gb:g} GB.\n"
         "Peak = peak RSS increase of a fresh process over its baseline (draft and inputs built). attn-only = peak "

@@ -108,7 +108,8 @@ def _grads(loss, tensors):
         ([2, 3, 4], 5, 1, 40),  # more steps than the documents can count: the last steps count nothing
     ],
 )
-def test_ttt_matches_naive_reference_float64(doc_lengths, steps, num_layers, draft_vocab_size):
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_ttt_matches_naive_reference_float64(doc_lengths, steps, num_layers, draft_vocab_size, gradient_checkpointing):
     _, draft = _draft(num_layers=num_layers, draft_vocab_size=draft_vocab_size)
     length = sum(doc_lengths)
     aux, embeds, teacher, loss_mask = _inputs(draft, 1, length, torch.float64, seed=len(doc_lengths))
@@ -122,6 +123,7 @@ def test_ttt_matches_naive_reference_float64(doc_lengths, steps, num_layers, dra
         cu_seqlens=cu_seqlens,
         ttt_steps=steps,
         step_weight_decay=0.7,
+        gradient_checkpointing=gradient_checkpointing,
     )
     ref, ref_losses, ref_acc = reference_ttt(draft, aux, embeds, teacher, loss_mask, doc_lengths, steps, 0.7)
     torch.testing.assert_close(out.loss, ref.to(out.loss.dtype), rtol=1e-10, atol=1e-10)
