@@ -28,17 +28,22 @@ NUM_GENERATIONS = 4
 FIRST_CHARACTER_ID = 4  # ids 0-3 are the special tokens of the character tokenizer
 
 
+def fixed_completions(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """A fixed function of each prompt and of the copy's index among the prompt's generations."""
+    copies = Counter()
+    completions = []
+    for ids in prompt_ids:
+        copy = copies[tuple(ids)]
+        copies[tuple(ids)] += 1
+        generator = torch.Generator().manual_seed(1000 * sum(ids) + copy)
+        length = 3 + 2 * copy
+        completions.append(torch.randint(FIRST_CHARACTER_ID, 60, (length,), generator=generator).tolist())
+    return completions
+
+
 class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        copies = Counter()
-        completions = []
-        for ids in prompt_ids:
-            copy = copies[tuple(ids)]
-            copies[tuple(ids)] += 1
-            generator = torch.Generator().manual_seed(1000 * sum(ids) + copy)
-            length = 3 + 2 * copy
-            completions.append(torch.randint(FIRST_CHARACTER_ID, 60, (length,), generator=generator).tolist())
-        return completions, None
+        return fixed_completions(prompt_ids), None
 
 
 def reward(completions, **kwargs):
@@ -65,14 +70,14 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def run(policy_dir: str, out_dir: str, mode: str) -> dict:
-    """Train; return this rank's record (see the module docstring)."""
-    config = SpecCoTrainConfig(
+def equality_run_config(out_dir: str, *, per_device_train_batch_size: int, **options) -> SpecCoTrainConfig:
+    """Two steps whose updates compare at float32 precision between a parallel run and one process."""
+    return SpecCoTrainConfig(
         output_dir=out_dir,
         use_cpu=True,
         bf16=False,
         report_to="none",
-        per_device_train_batch_size=4 if mode == "cp" else 8,
+        per_device_train_batch_size=per_device_train_batch_size,
         num_generations=NUM_GENERATIONS,
         max_completion_length=10,
         max_steps=2,
@@ -84,12 +89,21 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         seed=5,
         shuffle_dataset=False,
         max_grad_norm=0.0,
-        speculative_decoding=False,
         draft_max_grad_norm=0.0,
         draft_warmup_steps=0,
         ttt_steps=2,
-        context_parallel_size=2 if mode == "cp" else 1,
         disable_tqdm=True,
+        **options,
+    )
+
+
+def run(policy_dir: str, out_dir: str, mode: str) -> dict:
+    """Train; return this rank's record (see the module docstring)."""
+    config = equality_run_config(
+        out_dir,
+        per_device_train_batch_size=4 if mode == "cp" else 8,
+        speculative_decoding=False,
+        context_parallel_size=2 if mode == "cp" else 1,
     )
     trainer = FixedRolloutTrainer(
         model=policy_dir,

@@ -12,20 +12,14 @@ holds both groups.
 """
 
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
+from cp_cotrain_script import PROMPTS, GradientRecorder, equality_run_config, fixed_completions, reward
 from datasets import Dataset
-from transformers import TrainerCallback
 
-from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain import SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.testing import build_char_tokenizer
-
-
-PROMPTS = ["hello there", "Q: 2+2? A:"]
-NUM_GENERATIONS = 4
-FIRST_CHARACTER_ID = 4  # ids 0-3 are the special tokens of the character tokenizer
 
 
 class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
@@ -38,35 +32,7 @@ class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
         self.rollout_weights.append((_snapshot(policy), _snapshot(self.draft)))
         generated, _ = super()._local_single_turn(prompt_ids, images, multimodal_fields, num_generations)
         assert len(generated) == len(prompt_ids)
-        copies = Counter()
-        completions = []
-        for ids in prompt_ids:
-            copy = copies[tuple(ids)]
-            copies[tuple(ids)] += 1
-            generator = torch.Generator().manual_seed(1000 * sum(ids) + copy)
-            length = 3 + 2 * copy
-            completions.append(torch.randint(FIRST_CHARACTER_ID, 60, (length,), generator=generator).tolist())
-        return completions, None
-
-
-def reward(completions, **kwargs):
-    return [text.count("a") + 0.1 * len(text) + 0.01 * sum(map(ord, text)) for text in completions]
-
-
-class GradientRecorder(TrainerCallback):
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.policy_grads = {}
-        self.draft_grads = {}
-        trainer.draft_optimizer.register_step_pre_hook(self._record_draft)
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        self.policy_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    def _record_draft(self, optimizer, args, kwargs):
-        draft = self.trainer.draft
-        self.draft_grads = {n: p.grad.detach().clone() for n, p in draft.named_parameters() if p.grad is not None}
+        return fixed_completions(prompt_ids), None
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:
@@ -75,31 +41,13 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     """Train; return this rank's record (see the module docstring)."""
-    config = SpecCoTrainConfig(
-        output_dir=out_dir,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
+    config = equality_run_config(
+        out_dir,
         per_device_train_batch_size=4 if mode == "pp" else 8,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=10,
-        max_steps=2,
-        optim="sgd",  # the policy's update is then proportional to its gradient: comparable at float32 precision
-        learning_rate=0.05,
-        logging_steps=1,
-        save_strategy="no",
-        save_draft=False,
-        seed=5,
-        shuffle_dataset=False,
-        max_grad_norm=0.0,
         num_speculative_tokens=2,
-        draft_max_grad_norm=0.0,
-        draft_warmup_steps=0,
         draft_learning_rate=0.01,
-        ttt_steps=2,
         pipeline_parallel_size=2 if mode == "pp" else 1,
         pipeline_num_microbatches=4,
-        disable_tqdm=True,
     )
     trainer = FixedRolloutTrainer(
         model=policy_dir,

@@ -3,9 +3,6 @@ single-process ones, and the rollout rank receives the full policy and the draft
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 from pipeline_cases import build_draft, build_policy, make_batch, reference_step
 from pipeline_torchrun_script import MAX_GRAD_NORM, NUM_STEPS
 from safetensors.torch import load_file
+from torchrun_launch import run_torchrun
 
 
 pytestmark = pytest.mark.distributed
@@ -38,27 +36,10 @@ def _single_process_run():
 
 @pytest.mark.parametrize("num_stages", [2])
 def test_torchrun_pipeline_training_equals_single_process(tmp_path, num_stages):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), env.get("PYTHONPATH", "")])
-    with socket.socket() as sock:  # torchrun needs a concrete free port (port 0 hangs its rendezvous)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(num_stages),
-        "--master_port",
-        str(port),
-        str(SCRIPT),
-        str(tmp_path / "out"),
-    ]
-    # Output to a file, not a pipe: a grandchild that outlives torchrun would keep a pipe open forever.
-    log_file = tmp_path / "torchrun.log"
-    with log_file.open("w") as handle:
-        result = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=600)
-    assert result.returncode == 0, log_file.read_text()[-4000:]
+    pythonpath = os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])
+    run_torchrun(
+        SCRIPT, tmp_path / "out", nproc=num_stages, log=tmp_path / "torchrun.log", env={"PYTHONPATH": pythonpath}
+    )
 
     policy, draft, log = _single_process_run()
     run = json.loads((tmp_path / "out" / "log.json").read_text())

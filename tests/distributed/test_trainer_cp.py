@@ -1,15 +1,12 @@
 """Co-training under context parallelism: two GRPO steps with `context_parallel_size=2` on 2 gloo processes
 (torchrun) against the same steps in one plain process on the same rows (`cp_cotrain_script.py`)."""
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cp_cotrain_script import run
+from torchrun_launch import run_torchrun
 
 from hf_spec_cotrain.testing import save_tiny_target
 
@@ -20,17 +17,7 @@ DRAFT_METRICS = ["draft/loss", "draft/loss_step_0", "draft/loss_step_1", "draft/
 
 
 def run_context_parallel(policy_dir: Path, out_dir: Path) -> list[dict]:
-    with socket.socket() as sock:  # torchrun needs a concrete free port (port 0 hangs its rendezvous)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    command += [str(SCRIPT), str(policy_dir), str(out_dir), "cp"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # Output to a file, not a pipe: a grandchild that outlives torchrun would keep a pipe open forever.
-    log = out_dir.with_suffix(".log")
-    with log.open("w") as handle:
-        result = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=600)
-    assert result.returncode == 0, log.read_text()[-4000:]
+    run_torchrun(SCRIPT, policy_dir, out_dir, "cp", log=out_dir.with_suffix(".log"))
     return [torch.load(out_dir / f"cp{rank}.pt") for rank in range(2)]
 
 

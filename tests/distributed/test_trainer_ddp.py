@@ -6,13 +6,10 @@ policy's, and the rollout engine needs it whole every step; its gradients are av
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_launch import run_torchrun
 
 from hf_spec_cotrain.testing import save_tiny_target
 
@@ -33,28 +30,7 @@ def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path
         head_dim=32,
         intermediate_size=128,
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with socket.socket() as sock:  # torchrun needs a concrete free port (port 0 hangs its rendezvous)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        str(SCRIPT),
-        mode,
-        str(policy_dir),
-        str(tmp_path / "out"),
-    ]
-    # Output to a file, not a pipe: a grandchild that outlives torchrun would keep a pipe open forever.
-    log = tmp_path / "torchrun.log"
-    with log.open("w") as handle:
-        result = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=600)
-    assert result.returncode == 0, log.read_text()[-4000:]
+    run_torchrun(SCRIPT, mode, policy_dir, tmp_path / "out", log=tmp_path / "torchrun.log")
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(rank["world_size"] == 2 for rank in ranks)
     assert all(rank["fsdp"] == (mode == "fsdp2") for rank in ranks)
