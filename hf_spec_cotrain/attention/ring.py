@@ -249,27 +249,6 @@ def ring_branch_attention_backward(
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
 
 
-class RingBranchAttentionFunction(torch.autograd.Function):
-    """Saves only this rank's inputs, output and log-sum-exp; the backward runs the ring again."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size):
-        out, lse = ring_branch_attention_forward(
-            q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
-        )
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
-        ctx.layout, ctx.scale, ctx.block_size = layout, scale, block_size
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        grads = ring_branch_attention_backward(
-            dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size
-        )
-        return *grads, None, None, None
-
-
 # ---------------------------------------------------------------------------------------------------- all-gather
 
 
@@ -345,25 +324,24 @@ def allgather_branch_attention_backward(
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
 
 
-class AllGatherBranchAttentionFunction(torch.autograd.Function):
-    """Saves only this rank's inputs, output and log-sum-exp (the gathered K/V are not kept for the backward)."""
+class ShardedBranchAttentionFunction(torch.autograd.Function):
+    """Saves only this rank's inputs, output and log-sum-exp; the backward runs the strategy's exchange again
+    (`kernels`: the strategy's forward and backward, ring or all-gather)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size):
-        out, lse = allgather_branch_attention_forward(
-            q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
-        )
+    def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size, kernels):
+        forward, _ = kernels
+        out, lse = forward(q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size)
         ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
-        ctx.layout, ctx.scale, ctx.block_size = layout, scale, block_size
+        ctx.layout, ctx.scale, ctx.block_size, ctx.kernels = layout, scale, block_size, kernels
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        grads = allgather_branch_attention_backward(
-            dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size
-        )
-        return *grads, None, None, None
+        _, backward = ctx.kernels
+        grads = backward(dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size)
+        return *grads, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- wrappers
@@ -404,7 +382,8 @@ def ring_branch_attention_func(
     branch_k, branch_v, scale, layout = _prepare(
         q, k, v, branch_k, branch_v, group=group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
     )
-    return RingBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size)
+    kernels = (ring_branch_attention_forward, ring_branch_attention_backward)
+    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size, kernels)
 
 
 def allgather_branch_attention_func(
@@ -423,7 +402,8 @@ def allgather_branch_attention_func(
     branch_k, branch_v, scale, layout = _prepare(
         q, k, v, branch_k, branch_v, group=group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
     )
-    return AllGatherBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size)
+    kernels = (allgather_branch_attention_forward, allgather_branch_attention_backward)
+    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size, kernels)
 
 
 CONTEXT_PARALLEL_FUNCS = {"ring": ring_branch_attention_func, "allgather": allgather_branch_attention_func}
