@@ -482,6 +482,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             epsilon_high=self.epsilon_high,
             ttt_steps=args.ttt_steps,
             ttt_step_weight_decay=args.ttt_step_weight_decay,
+            ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
             device=self.accelerator.device,
         )
         # The stages hold different parameters: accelerate must not wrap this one in DDP (it would also try to

@@ -266,7 +266,7 @@ class PipelineCoTrainStep:
         layers_per_stage: decoder layers of each stage (default: as even as possible, extras first).
         temperature, epsilon_low, epsilon_high: as in `grpo_loss` (TRL's `temperature`, `epsilon`,
             `epsilon_high`).
-        ttt_steps, ttt_step_weight_decay: the draft's training-time test.
+        ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing: the draft's training-time test (`ttt_loss`).
         device: where this stage runs (default: the model's device).
     """
 
@@ -286,6 +286,7 @@ class PipelineCoTrainStep:
         epsilon_high: float | None = None,
         ttt_steps: int = 3,
         ttt_step_weight_decay: float = 0.8,
+        ttt_gradient_checkpointing: bool = False,
         device: torch.device | str | None = None,
     ):
         self.group = group if group is not None else dist.group.WORLD
@@ -315,6 +316,7 @@ class PipelineCoTrainStep:
         self.temperature, self.epsilon_low = temperature, epsilon_low
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
         self.ttt_steps, self.ttt_step_weight_decay = ttt_steps, ttt_step_weight_decay
+        self.ttt_gradient_checkpointing = ttt_gradient_checkpointing
         self.tap_transport = tap_transport
         self.hidden_size = text_config.hidden_size
         self.vocab_size = text_config.vocab_size
@@ -558,6 +560,7 @@ class PipelineCoTrainStep:
             attention_mask=attention_mask.bool(),
             ttt_steps=self.ttt_steps,
             step_weight_decay=self.ttt_step_weight_decay,
+            gradient_checkpointing=self.ttt_gradient_checkpointing,
         )
         if torch.isfinite(out.loss):
             (out.loss * scale).backward()
