@@ -62,8 +62,8 @@ def ttt_loss(
         loss_mask: ``[B, L]``, True where *predicting* token ``x_t`` counts (e.g. completion tokens).
             Defaults to every token.
         attention_mask: ``[B, L]`` padding mask of rows whose real tokens are contiguous (left and/or right
-            padding, as TRL lays out prompt + completion). Each row is shifted so its tokens start at position
-            0, which keeps rows apart without packing them. Exclusive with ``cu_seqlens``.
+            padding, as TRL lays out prompt + completion). The real tokens are packed into one sequence of
+            documents, one per row at positions from 0, so padding costs nothing. Exclusive with ``cu_seqlens``.
         cu_seqlens: packed document boundaries ``[0, ..., L]`` (B must be 1).
         position_ids: ``[B, L]`` RoPE positions of step 0; default: offsets within each document.
         ttt_steps: K, the number of unrolled steps (>= 1).
@@ -112,10 +112,9 @@ def ttt_loss(
     if attention_mask is not None:
         if cu_seqlens is not None:
             raise ValueError("Pass `attention_mask` (padded rows) or `cu_seqlens` (packed documents), not both.")
-        (aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids), real = left_align_rows(
+        (aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids), cu_seqlens = pack_rows(
             attention_mask, aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids
         )
-        loss_mask = loss_mask & real
         batch, length = input_embeds.shape[:2]
 
     if context_parallel:
@@ -142,39 +141,48 @@ def ttt_loss(
         dist.all_reduce(total_counts, group=cp_group)
     hidden = draft.project_hidden_states(aux_hidden_states)
     trunk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # per layer, the branch K/V of steps 1.. at the positions of `query_index` (steps run on fewer positions)
     branch: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     step_losses, step_accuracies, step_counts = [], [], []
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    query_index = None  # positions the current step runs on (None: all)
     for step in range(ttt_steps):
+        previous_index = query_index
+        if step > 0 and not context_parallel:
+            query_index = _positions_still_counted(counted_steps[step:])
+            hidden, branch = _select_positions(hidden, branch, previous_index, query_index)
         # `attend` reads the K/V of earlier steps from a snapshot and only records this step's, so that a
         # checkpointed step recomputes exactly what its forward computed.
         earlier, recorded = {layer: list(pairs) for layer, pairs in branch.items()}, {}
 
-        def attend(layer, q, k, v, step=step, earlier=earlier, recorded=recorded):
+        def attend(layer, q, k, v, step=step, earlier=earlier, recorded=recorded, query_index=query_index):
             recorded[layer] = (k, v)
             if step == 0:
                 return branch_attention(q, k, v, cu_seqlens=cu_seqlens, cp_group=cp_group)
             pairs = [*earlier.get(layer, []), (k, v)]
             branch_k = torch.stack([bk for bk, _ in pairs])
             branch_v = torch.stack([bv for _, bv in pairs])
-            return branch_attention(q, *trunk[layer], branch_k, branch_v, cu_seqlens=cu_seqlens, cp_group=cp_group)
+            return branch_attention(
+                q, *trunk[layer], branch_k, branch_v, cu_seqlens=cu_seqlens, cp_group=cp_group, query_index=query_index
+            )
 
-        embeds = shifts.shift(embeds_source, 1 + step)
+        embeds = _at(shifts.shift(embeds_source, 1 + step), query_index)
+        positions = _at(position_ids, query_index) + step
         if gradient_checkpointing and torch.is_grad_enabled():
-            hidden = checkpoint(draft.backbone, embeds, hidden, position_ids + step, attend, use_reentrant=False)
+            hidden = checkpoint(draft.backbone, embeds, hidden, positions, attend, use_reentrant=False)
         else:
-            hidden = draft.backbone(embeds, hidden, position_ids + step, attend)
+            hidden = draft.backbone(embeds, hidden, positions, attend)
         for layer, pair in recorded.items():
             if step == 0:
                 trunk[layer] = pair
             else:
                 branch.setdefault(layer, []).append(pair)
-        teacher = shifts.shift(teacher_source, 1 + step)
+        teacher = _at(shifts.shift(teacher_source, 1 + step), query_index)
         loss, accuracy, count = head_soft_cross_entropy(
             draft.compute_logits,
             hidden,
             teacher,
-            counted_steps[step],
+            _at(counted_steps[step], query_index),
             total_count=None if total_counts is None else total_counts[step],
         )
         total = total + (step_weight_decay**step) * loss
@@ -189,30 +197,50 @@ def ttt_loss(
     return TTTOutput(loss=total, step_losses=step_losses, step_accuracies=step_accuracies, step_counts=step_counts)
 
 
-def left_align_rows(
+def pack_rows(
     attention_mask: torch.Tensor, *tensors: torch.Tensor | None
 ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """Shift each row of ``[B, L, ...]`` tensors so its real tokens start at column 0, and drop the columns
-    no row uses. Returns the shifted tensors (None stays None) and the ``[B, L']`` mask of real tokens.
-
-    Causal attention then never lets a real token see padding (which now trails every row).
+    """Pack the real tokens of ``[B, L, ...]`` rows into one ``[1, N, ...]`` sequence of documents, one per row
+    (rows without a token give an empty document). Returns the packed tensors (None stays None) and
+    ``cu_seqlens``. Rows must hold their real tokens contiguously (left and/or right padding).
     """
     keep = attention_mask.to(torch.bool)
-    batch, length = keep.shape
-    columns = torch.arange(length, device=keep.device)
     lengths = keep.sum(-1)
     first = torch.where(lengths > 0, keep.int().argmax(-1), 0)
+    columns = torch.arange(keep.shape[1], device=keep.device)
     contiguous = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
     if not torch.equal(contiguous, keep):
         raise ValueError(
             "`attention_mask` has rows whose real tokens are not contiguous (a hole between two tokens); pack "
             "such sequences as documents with `cu_seqlens` instead."
         )
-    width = max(int(lengths.max()), 1) if batch else 0
-    source = (first[:, None] + columns[None, :width]).clamp(max=length - 1)
-    rows = torch.arange(batch, device=keep.device)[:, None]
-    shifted = [None if t is None else t[rows, source] for t in tensors]
-    return shifted, columns[None, :width] < lengths[:, None]
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    packed = [None if t is None else t[keep].unsqueeze(0) for t in tensors]
+    return packed, cu_seqlens
+
+
+def _positions_still_counted(counted_steps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Positions (columns) whose output at this step or a later one reaches a counted loss. A step's output at
+    a position only feeds that position's next step (its branch is private), so the others can be skipped."""
+    still_counted = torch.stack(list(counted_steps)).flatten(0, 1).any(0)
+    return still_counted.nonzero().squeeze(1)
+
+
+def _at(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """``x[:, index]`` (all positions when ``index`` is None)."""
+    return x if index is None else x.index_select(1, index)
+
+
+def _select_positions(hidden, branch, previous_index, index):
+    """The previous step's hidden states and the branch K/V of earlier steps, narrowed to ``index`` (a subset of
+    ``previous_index``; None means all positions)."""
+    rows = index if previous_index is None else torch.searchsorted(previous_index, index)
+    hidden = hidden.index_select(1, rows)
+    branch = {
+        layer: [(k.index_select(2, rows), v.index_select(2, rows)) for k, v in pairs]
+        for layer, pairs in branch.items()
+    }
+    return hidden, branch
 
 
 def _document_end(cu_seqlens: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:

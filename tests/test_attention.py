@@ -104,6 +104,77 @@ def test_matches_dense_reference(case, dtype):
         torch.testing.assert_close(got, want, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _reference_at_rows(q, k, v, branch_k, branch_v, *, query_index, **kwargs):
+    """The dense reference for queries at `query_index` only: the full call with zero queries and branch keys
+    elsewhere, its output read at those rows (so the other rows get no upstream gradient)."""
+    length = k.shape[2]
+    full_q = q.new_zeros(*q.shape[:2], length, q.shape[3]).index_copy(2, query_index, q)
+    full_branch = [
+        b.new_zeros(*b.shape[:3], length, b.shape[4]).index_copy(3, query_index, b) for b in (branch_k, branch_v)
+    ]
+    return branch_attention_reference(full_q, k, v, *full_branch, **kwargs).index_select(2, query_index)
+
+
+# (B, Hq, Hkv, L, D, S, document lengths or None, block size, query positions)
+QUERY_INDEX_CASES = [
+    (2, 4, 2, 9, 8, 2, None, 3, [4, 5, 8]),
+    (1, 4, 1, 40, 8, 1, [11, 1, 28], 4, [0, 9, 10, 11, 20, 21, 22, 23, 39]),
+    (1, 2, 2, 17, 4, 3, [5, 12], 16, [16]),
+    (1, 6, 3, 33, 8, 0, [3, 30], 5, list(range(3, 33, 2))),
+    (2, 2, 1, 6, 4, 2, None, 2, []),
+]
+
+
+@pytest.mark.parametrize("case", QUERY_INDEX_CASES, ids=[f"L{c[3]}-Lq{len(c[8])}" for c in QUERY_INDEX_CASES])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_query_index_equals_those_rows_of_the_reference(case, dtype):
+    """Queries at some positions only (the TTT's later steps): the output and every gradient equal the dense
+    reference restricted to those rows."""
+    batch_size, num_q_heads, num_kv_heads, length, head_dim, num_branch, doc_lengths, block_size, rows = case
+    inputs = make_inputs(
+        batch_size=batch_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        length=length,
+        head_dim=head_dim,
+        num_branch=num_branch,
+        dtype=dtype,
+        seed=length + len(rows),
+    )
+    query_index = torch.tensor(rows, dtype=torch.int64)
+    subset = {
+        name: tensor.detach().index_select(3 if name.startswith("branch") else 2, query_index)
+        for name, tensor in inputs.items()
+        if name in ("q", "branch_k", "branch_v")
+    }
+    inputs = {**{name: tensor.detach() for name, tensor in inputs.items()}, **subset}
+    cu_seqlens = None if doc_lengths is None else cu_seqlens_from_lengths(doc_lengths)
+    actual = outputs_and_grads(
+        branch_attention, inputs, cu_seqlens=cu_seqlens, block_size=block_size, query_index=query_index
+    )
+    expected = outputs_and_grads(_reference_at_rows, inputs, query_index=query_index, cu_seqlens=cu_seqlens)
+    tolerance = {"rtol": 0, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    if num_branch == 0:
+        assert actual[4:] == [None, None]
+        actual, expected = actual[:4], expected[:4]
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v"), actual, expected):
+        torch.testing.assert_close(got, want, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "query_index, message",
+    [
+        (torch.tensor([1, 1, 2, 3, 4, 5]), "strictly increasing"),
+        (torch.tensor([0, 1, 2, 3, 4, 6]), r"strictly increasing positions in \[0, 6\)"),
+        (torch.tensor([0, 1, 2]), "query_index has 3 positions; q has 6 queries"),
+        (torch.arange(6, dtype=torch.int32), "1-D int64"),
+    ],
+)
+def test_invalid_query_index(query_index, message):
+    with pytest.raises(ValueError, match=message):
+        branch_attention(**_drop_grad(_valid()), query_index=query_index)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_packing_and_scale(seed):
     generator = torch.Generator().manual_seed(seed)
@@ -307,8 +378,12 @@ INVALID = {
     "gqa": (lambda x: x | {"q": x["q"][:, :3]}, {}, r"Hq=3 must be a multiple of .* Hkv=2"),
     "branch_k_alone": (lambda x: x | {"branch_v": None}, {}, "branch_k was given without branch_v"),
     "branch_v_alone": (lambda x: x | {"branch_k": None}, {}, "branch_v was given without branch_k"),
-    "branch_rank": (lambda x: x | {"branch_k": x["branch_k"][0]}, {}, r"branch_k must be \[S, B, Hkv, L, D\]"),
-    "branch_heads": (lambda x: x | {"branch_v": x["branch_v"][:, :, :1]}, {}, r"branch_v must be \[S, B, Hkv, L, D\]"),
+    "branch_rank": (lambda x: x | {"branch_k": x["branch_k"][0]}, {}, r"branch_k must be \[S, B, Hkv, Lq, D\]"),
+    "branch_heads": (
+        lambda x: x | {"branch_v": x["branch_v"][:, :, :1]},
+        {},
+        r"branch_v must be \[S, B, Hkv, Lq, D\]",
+    ),
     "branch_count": (lambda x: x | {"branch_v": x["branch_v"][:1]}, {}, r"same number of branch keys S, got 2 and 1"),
     "dtype": (lambda x: x | {"k": x["k"].double()}, {}, r"k must have q's dtype torch.float32, got torch.float64"),
     "integer_q": (

@@ -94,6 +94,11 @@ def reference_ttt(draft, aux, embeds, teacher, loss_mask, doc_lengths, steps, de
     return total, losses, accuracies
 
 
+def _completion_mask(doc_lengths):
+    """``[1, L]``: True on the second half of every document (its "completion")."""
+    return torch.cat([torch.arange(n) >= n // 2 for n in doc_lengths]).unsqueeze(0)
+
+
 def _grads(loss, tensors):
     return torch.autograd.grad(loss, tensors, allow_unused=False)
 
@@ -109,10 +114,17 @@ def _grads(loss, tensors):
     ],
 )
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_ttt_matches_naive_reference_float64(doc_lengths, steps, num_layers, draft_vocab_size, gradient_checkpointing):
+@pytest.mark.parametrize("counted", ["random", "completions"])
+def test_ttt_matches_naive_reference_float64(
+    doc_lengths, steps, num_layers, draft_vocab_size, gradient_checkpointing, counted
+):
+    """`counted="completions"` counts only each document's second half, as GRPO does: the later steps then run
+    on fewer positions."""
     _, draft = _draft(num_layers=num_layers, draft_vocab_size=draft_vocab_size)
     length = sum(doc_lengths)
     aux, embeds, teacher, loss_mask = _inputs(draft, 1, length, torch.float64, seed=len(doc_lengths))
+    if counted == "completions":
+        loss_mask = _completion_mask(doc_lengths)
     cu_seqlens = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()])
     out = ttt_loss(
         draft,
@@ -258,3 +270,28 @@ def test_bad_arguments_raise_clear_errors():
         ttt_loss(draft, **kwargs, attention_mask=holes)
     with pytest.raises(ValueError, match="loss_mask"):
         ttt_loss(draft, **{**kwargs, "loss_mask": loss_mask[:, :5]})
+
+
+def test_later_steps_run_only_where_a_loss_is_still_counted():
+    """With only completions counted, steps 1.. skip the prompt positions whose outputs reach no counted loss,
+    and the result stays the reference's (checked above); step 0 still covers every position (the trunk)."""
+    _, draft = _draft(draft_vocab_size=40)
+    doc_lengths = [12, 20]
+    aux, embeds, teacher, _ = _inputs(draft, 1, sum(doc_lengths), torch.float64)
+    lengths = []
+    hook = draft.decoder_layers[0].register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    try:
+        ttt_loss(
+            draft,
+            aux_hidden_states=aux,
+            input_embeds=embeds,
+            teacher_logits=teacher,
+            loss_mask=_completion_mask(doc_lengths),
+            cu_seqlens=torch.tensor([0, 12, 32]),
+            ttt_steps=3,
+        )
+    finally:
+        hook.remove()
+    # Step d keeps anchor i when i + 2 + d' is a completion position of i's document for some d' in [d, K): with
+    # K = 3 that is i in [n/2 - 4, n - 3 - d], n/2 + 2 - d anchors per document of length n.
+    assert lengths == [32, *(sum(n // 2 + 2 - d for n in doc_lengths) for d in (1, 2))]

@@ -263,18 +263,20 @@ def branch_attention_forward(
     *,
     positions: torch.Tensor,
     doc_ids: torch.Tensor,
+    query_index: torch.Tensor | None,
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-device forward on public layouts; returns `out [B, Hq, L, D]` in q's dtype and `lse [B, Hkv, G, L]`."""
+    """Single-device forward on public layouts; returns `out [B, Hq, Lq, D]` in q's dtype and `lse [B, Hkv, G, Lq]`."""
     dtype = _compute_dtype(q.dtype)
     q_grouped = _grouped(q, k.shape[1], dtype)
+    query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
     out, lse = trunk_forward(
         q_grouped,
         k.to(dtype),
         v.to(dtype),
-        query_positions=positions,
-        query_doc_ids=doc_ids,
+        query_positions=query_positions,
+        query_doc_ids=query_doc_ids,
         key_positions=positions,
         key_doc_ids=doc_ids,
         scale=scale,
@@ -298,6 +300,7 @@ def branch_attention_backward(
     *,
     positions: torch.Tensor,
     doc_ids: torch.Tensor,
+    query_index: torch.Tensor | None,
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, ...]:
@@ -307,6 +310,7 @@ def branch_attention_backward(
     q_grouped = _grouped(q, num_kv_heads, dtype)
     dout_grouped = _grouped(dout, num_kv_heads, dtype)
     delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
     dq, dk, dv = trunk_backward(
         dout_grouped,
         q_grouped,
@@ -314,8 +318,8 @@ def branch_attention_backward(
         v.to(dtype),
         lse,
         delta,
-        query_positions=positions,
-        query_doc_ids=doc_ids,
+        query_positions=query_positions,
+        query_doc_ids=query_doc_ids,
         key_positions=positions,
         key_doc_ids=doc_ids,
         scale=scale,
@@ -331,22 +335,28 @@ def branch_attention_backward(
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
 
 
+def _at_queries(positions, doc_ids, query_index):
+    """Positions and document ids of the queries: all L, or those at `query_index`."""
+    if query_index is None:
+        return positions, doc_ids
+    return positions[query_index], doc_ids[query_index]
+
+
 class BranchAttentionFunction(torch.autograd.Function):
     """Saves only the inputs, the output and the log-sum-exp (linear in L); the backward recomputes per block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, positions, doc_ids, scale, block_size):
-        out, lse = branch_attention_forward(
-            q, k, v, branch_k, branch_v, positions=positions, doc_ids=doc_ids, scale=scale, block_size=block_size
-        )
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse, positions, doc_ids)
+    def forward(ctx, q, k, v, branch_k, branch_v, positions, doc_ids, query_index, scale, block_size):
+        layout = dict(positions=positions, doc_ids=doc_ids, query_index=query_index)
+        out, lse = branch_attention_forward(q, k, v, branch_k, branch_v, **layout, scale=scale, block_size=block_size)
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse, positions, doc_ids, query_index)
         ctx.scale, ctx.block_size = scale, block_size
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, branch_k, branch_v, out, lse, positions, doc_ids = ctx.saved_tensors
+        q, k, v, branch_k, branch_v, out, lse, positions, doc_ids, query_index = ctx.saved_tensors
         grads = branch_attention_backward(
             dout,
             q,
@@ -358,10 +368,11 @@ class BranchAttentionFunction(torch.autograd.Function):
             lse,
             positions=positions,
             doc_ids=doc_ids,
+            query_index=query_index,
             scale=ctx.scale,
             block_size=ctx.block_size,
         )
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def branch_attention(
@@ -376,14 +387,15 @@ def branch_attention(
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
     cp_mode: str = "ring",
+    query_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its causal trunk and its own branch keys, in one softmax.
 
     Args:
-        q: `[B, Hq, L, D]` queries.
+        q: `[B, Hq, L, D]` queries (`[B, Hq, Lq, D]` with `query_index`).
         k, v: `[B, Hkv, L, D]` trunk keys/values, `Hq % Hkv == 0` (grouped-query attention).
         branch_k, branch_v: `[S, B, Hkv, L, D]` position-private keys/values (query i sees only
-            `branch_*[:, :, :, i]`), or None (same as S == 0).
+            `branch_*[:, :, :, i]`), or None (same as S == 0); `[S, B, Hkv, Lq, D]` with `query_index`.
         cu_seqlens: int `[0, ..., L]` boundaries of packed documents along L (then B must be 1);
             a query sees trunk keys of its own document only.
         cp_group: context-parallel group. With a world size W > 1 every tensor is this rank's zigzag
@@ -395,27 +407,34 @@ def branch_attention(
         cp_mode: with W > 1, "ring" (trunk K/V travel the ring, O(L/W) memory per rank) or "allgather"
             (the all-gather-K/V baseline: the gathered K/V, O(L) per rank, are kept for the backward); both
             are exact.
+        query_index: int64 `[Lq]`, strictly increasing: the positions the queries sit at, when only some
+            positions need an output (the TTT's later steps). Same result as the full call at those rows, for
+            the cost of Lq queries. Not with context parallelism.
 
     Returns:
-        `[B, Hq, L, D]` in q's dtype.
+        `[B, Hq, L, D]` (`[B, Hq, Lq, D]` with `query_index`) in q's dtype.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        if query_index is not None:
+            raise ValueError("query_index is not supported with context parallelism (cp_group of W > 1).")
         from .ring import CONTEXT_PARALLEL_FUNCS  # the ring drivers build on this module's kernels
 
         return CONTEXT_PARALLEL_FUNCS[cp_mode](
             q, k, v, branch_k, branch_v, group=cp_group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
         )
     branch_k, branch_v, scale = check_branch_attention_inputs(
-        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale
+        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale, query_index=query_index
     )
-    length = q.shape[2]
+    length = k.shape[2]
     positions = torch.arange(length, device=q.device)
     if cu_seqlens is None:
         doc_ids = torch.zeros(length, dtype=torch.int64, device=q.device)
     else:
         doc_ids = document_ids(cu_seqlens.to(q.device))
-    return BranchAttentionFunction.apply(q, k, v, branch_k, branch_v, positions, doc_ids, scale, block_size)
+    return BranchAttentionFunction.apply(
+        q, k, v, branch_k, branch_v, positions, doc_ids, query_index, scale, block_size
+    )

@@ -47,10 +47,12 @@ def check_branch_attention_inputs(
     *,
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
+    query_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     """Validate the inputs of `branch_attention` and return `(branch_k, branch_v, scale)` normalised.
 
-    An empty branch (S == 0) is returned as None, and a missing scale as `D**-0.5`.
+    An empty branch (S == 0) is returned as None, and a missing scale as `D**-0.5`. With `query_index`, q (and
+    the branch) cover only those positions of the L keys.
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor):
@@ -61,11 +63,17 @@ def check_branch_attention_inputs(
         raise ValueError(f"k must be 4-D [B, Hkv, L, D], got shape {_shape(k)}.")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {_shape(k)}, got {_shape(v)}.")
-    batch_size, num_q_heads, length, head_dim = q.shape
-    if k.shape[0] != batch_size or k.shape[2] != length:
+    batch_size, num_q_heads, query_length, head_dim = q.shape
+    length = k.shape[2]
+    if query_index is None and length != query_length:
         raise ValueError(
-            f"k and v must be [B={batch_size}, Hkv, L={length}, D={head_dim}] to match q {_shape(q)}, got {_shape(k)}."
+            f"k and v must be [B={batch_size}, Hkv, L={query_length}, D={head_dim}] to match q {_shape(q)}, got "
+            f"{_shape(k)} (queries at some positions only need `query_index`)."
         )
+    if k.shape[0] != batch_size:
+        raise ValueError(f"k and v must have q's batch size B={batch_size}, got {_shape(k)}.")
+    if query_index is not None:
+        _check_query_index(query_index, query_length=query_length, length=length)
     if k.shape[3] != head_dim:
         raise ValueError(f"q and k must have the same head dim D, got q D={head_dim} and k D={k.shape[3]}.")
     if head_dim == 0:
@@ -81,12 +89,13 @@ def check_branch_attention_inputs(
         given, missing = ("branch_k", "branch_v") if branch_v is None else ("branch_v", "branch_k")
         raise ValueError(f"{given} was given without {missing}: pass both or neither.")
     if branch_k is not None:
-        expected = ("S", *_shape(k))
+        branch_shape = (batch_size, num_kv_heads, query_length, head_dim)  # one entry per query
+        expected = ("S", *branch_shape)
         for name, tensor in (("branch_k", branch_k), ("branch_v", branch_v)):
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-            if tensor.dim() != 5 or tensor.shape[1:] != k.shape:
-                raise ValueError(f"{name} must be [S, B, Hkv, L, D] = {expected}, got shape {_shape(tensor)}.")
+            if tensor.dim() != 5 or tuple(tensor.shape[1:]) != branch_shape:
+                raise ValueError(f"{name} must be [S, B, Hkv, Lq, D] = {expected}, got shape {_shape(tensor)}.")
         if branch_v.shape[0] != branch_k.shape[0]:
             raise ValueError(
                 f"branch_k and branch_v must hold the same number of branch keys S, "
@@ -114,3 +123,12 @@ def check_branch_attention_inputs(
     elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number (default D**-0.5), got {scale!r}.")
     return branch_k, branch_v, float(scale)
+
+
+def _check_query_index(query_index: torch.Tensor, *, query_length: int, length: int) -> None:
+    if not isinstance(query_index, torch.Tensor) or query_index.dtype != torch.int64 or query_index.dim() != 1:
+        raise ValueError(f"query_index must be a 1-D int64 tensor of key positions, got {query_index!r}.")
+    if query_index.numel() != query_length:
+        raise ValueError(f"query_index has {query_index.numel()} positions; q has {query_length} queries.")
+    if query_length and (query_index[0] < 0 or query_index[-1] >= length or (query_index.diff() <= 0).any()):
+        raise ValueError(f"query_index must be strictly increasing positions in [0, {length}), got {query_index.tolist()}.")

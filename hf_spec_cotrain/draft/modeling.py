@@ -72,7 +72,7 @@ class Eagle3Attention(nn.Module):
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = attn.shape
-        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(attn.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
 
 class Eagle3DecoderLayer(nn.Module):
