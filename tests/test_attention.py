@@ -438,8 +438,9 @@ def test_block_visibility_is_exact_for_skip_and_full():
         doc_ids = torch.randint(0, 4, (length,), generator=generator).sort().values
         block_size = int(torch.randint(1, 12, (), generator=generator))
         spans = block_spans(positions, doc_ids, block_size)
-        assert [span.start for span in spans] == list(range(0, length, block_size))
+        assert [span.start for span in spans] == [0, *(span.end for span in spans[:-1])]
         assert spans[-1].end == length
+        assert all(1 <= span.end - span.start <= block_size for span in spans)
         for query in spans:
             for key in spans:
                 rows, cols = slice(query.start, query.end), slice(key.start, key.end)
@@ -449,6 +450,23 @@ def test_block_visibility_is_exact_for_skip_and_full():
                     assert not dense.any()
                 elif visibility is Visibility.FULL:
                     assert dense.all()
+
+
+@pytest.mark.parametrize(
+    "doc_lengths, block_size, starts",
+    [
+        ([168, 168, 168], 256, [0, 168, 336]),  # a document that does not fit starts a new block
+        ([600, 50], 256, [0, 256, 512]),  # long documents are cut every block; a short one joins the last
+        ([3, 4, 5, 1], 16, [0]),  # short documents share a block
+        ([10, 10, 10], 16, [0, 10, 20]),
+    ],
+)
+def test_block_spans_start_documents_that_do_not_fit_on_a_new_block(doc_lengths, block_size, starts):
+    """Packed documents get blocks of their own, so that pairs of blocks from different documents are skipped."""
+    cu_seqlens = cu_seqlens_from_lengths(doc_lengths)
+    doc_ids = document_ids(cu_seqlens)
+    spans = block_spans(torch.arange(doc_ids.numel()), doc_ids, block_size)
+    assert [span.start for span in spans] == starts
 
 
 def test_block_visibility_skips_other_documents_and_future():

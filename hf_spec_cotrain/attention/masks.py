@@ -40,22 +40,38 @@ class BlockSpan:
 
 
 def block_spans(positions: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> list[BlockSpan]:
-    """Cut a local sequence into blocks of `block_size` (the last one shorter) and summarise each block."""
-    spans = []
-    for start in range(0, positions.numel(), block_size):
-        end = min(start + block_size, positions.numel())
-        pos, doc = positions[start:end], doc_ids[start:end]
-        spans.append(
-            BlockSpan(
-                start=start,
-                end=end,
-                pos_min=int(pos.min()),
-                pos_max=int(pos.max()),
-                doc_min=int(doc.min()),
-                doc_max=int(doc.max()),
-            )
-        )
-    return spans
+    """Cut a local sequence into blocks of at most `block_size` and summarise each.
+
+    Runs of consecutive positions within one document (a packed document, a zigzag chunk, the queries kept at
+    consecutive positions) are cut every `block_size`, and consecutive short pieces are merged up to
+    `block_size`: a run that does not fit in what is left of the current block starts a new one. Long runs thus
+    get blocks of their own (pairs from different documents or hidden chunks are skipped whole), while many
+    short documents still make few blocks (the masks handle mixed blocks).
+    """
+    length = positions.numel()
+    if length == 0:
+        return []
+    run_ends = (torch.diff(positions) != 1) | (torch.diff(doc_ids) != 0)
+    breaks = (torch.nonzero(run_ends).flatten() + 1).tolist()
+    pieces = []
+    for run_start, run_end in zip([0, *breaks], [*breaks, length]):
+        pieces += [(start, min(start + block_size, run_end)) for start in range(run_start, run_end, block_size)]
+    blocks = [pieces[0]]
+    for start, end in pieces[1:]:
+        if end - blocks[-1][0] <= block_size:
+            blocks[-1] = (blocks[-1][0], end)
+        else:
+            blocks.append((start, end))
+    starts = torch.tensor([start for start, _ in blocks], device=positions.device)
+    lasts = torch.tensor([end - 1 for _, end in blocks], device=positions.device)
+    # positions increase within a block; document ids are non-decreasing
+    columns = zip(
+        positions[starts].tolist(), positions[lasts].tolist(), doc_ids[starts].tolist(), doc_ids[lasts].tolist()
+    )
+    return [
+        BlockSpan(start=start, end=end, pos_min=pos_min, pos_max=pos_max, doc_min=doc_min, doc_max=doc_max)
+        for (start, end), (pos_min, pos_max, doc_min, doc_max) in zip(blocks, columns)
+    ]
 
 
 class Visibility(enum.Enum):

@@ -9,10 +9,10 @@ so they join the softmax locally in closed form (`branch_forward` / `branch_back
   travel in their input dtype (half the bytes for bf16) and are upcast per step. The backward runs the ring
   again and sends the accumulated dK/dV (compute dtype: float32, or float64 for float64 inputs) on with the
   K/V they belong to, so that after the last step they reach their owners. Per rank: O(L / W) memory.
-* All-gather baseline: every rank gathers the whole trunk K/V (forward, and again in the backward rather
-  than keeping it) and reduce-scatters dK/dV, as earlier draft context-parallel code does. O(L) per rank.
+* All-gather baseline: every rank gathers the whole trunk K/V, keeps it for the backward, and reduce-scatters
+  dK/dV, as earlier draft context-parallel code does. O(L) per rank.
 
-Masks compare global indices and document ids, so blocks never cross a zigzag chunk (`zigzag_block_spans`):
+Masks compare global indices and document ids, so blocks never cross a zigzag chunk (`block_spans`):
 the chunks that the causal structure makes invisible from a query chunk are skipped whole (in a ring step
 from an earlier rank the second half of the keys, from a later rank the first half of the queries).
 This is a pure PyTorch path (CPU or GPU, any float dtype); flash-attn kernels are not wired in.
@@ -37,40 +37,9 @@ from .blockwise import (
     trunk_forward,
 )
 from .comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
-from .masks import BlockSpan
+from .masks import BlockSpan, block_spans
 from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs, check_cu_seqlens
-
-
-def zigzag_block_spans(positions: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> list[BlockSpan]:
-    """Blocks of a zigzag shard (increasing global indices) that never cut through a run of consecutive indices
-    without need: runs are cut every `block_size`, and consecutive short pieces are merged up to `block_size`.
-
-    A chunk of at least `block_size` positions thus gets blocks of its own (exact skipping), while many tiny
-    documents still make few blocks (the masks handle mixed blocks).
-    """
-    length = positions.numel()
-    if length == 0:
-        return []
-    breaks = (torch.nonzero(torch.diff(positions) != 1).flatten() + 1).tolist()
-    pieces = []
-    for run_start, run_end in zip([0, *breaks], [*breaks, length]):
-        pieces += [(start, min(start + block_size, run_end)) for start in range(run_start, run_end, block_size)]
-    blocks = [pieces[0]]
-    for start, end in pieces[1:]:
-        if end - blocks[-1][0] <= block_size:
-            blocks[-1] = (blocks[-1][0], end)
-        else:
-            blocks.append((start, end))
-    starts = torch.tensor([start for start, _ in blocks], device=positions.device)
-    lasts = torch.tensor([end - 1 for _, end in blocks], device=positions.device)
-    columns = zip(
-        positions[starts].tolist(), positions[lasts].tolist(), doc_ids[starts].tolist(), doc_ids[lasts].tolist()
-    )
-    return [
-        BlockSpan(start=start, end=end, pos_min=pos_min, pos_max=pos_max, doc_min=doc_min, doc_max=doc_max)
-        for (start, end), (pos_min, pos_max, doc_min, doc_max) in zip(blocks, columns)
-    ]
 
 
 @dataclass(frozen=True)
@@ -100,7 +69,7 @@ class ZigzagLayout:
         for owner in range(world_size):
             indices = zigzag_indices(owner, world_size, cu_seqlens=bounds)
             documents = torch.searchsorted(bounds, indices, right=True) - 1
-            spans.append(zigzag_block_spans(indices, documents, block_size))
+            spans.append(block_spans(indices, documents, block_size))
             positions.append(indices.to(device))
             doc_ids.append(documents.to(device))
         return cls(group, rank, world_size, positions, doc_ids, spans)

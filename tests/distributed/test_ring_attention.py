@@ -12,7 +12,8 @@ from process_pool import subgroup
 from hf_spec_cotrain.attention import blockwise, branch_attention, branch_attention_reference
 from hf_spec_cotrain.attention.blockwise import CP_MODES
 from hf_spec_cotrain.attention.comm import RingComm
-from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS, zigzag_block_spans
+from hf_spec_cotrain.attention.masks import block_spans
+from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS
 from hf_spec_cotrain.parallel import zigzag_indices, zigzag_shard
 
 
@@ -296,7 +297,7 @@ def test_invalid_cp_mode():
         branch_attention(q, k, k, cp_mode="ulysses")
 
 
-def test_zigzag_block_spans_cut_at_chunks_and_merge_short_pieces():
+def test_block_spans_of_zigzag_shards_cut_at_chunks_and_merge_short_pieces():
     generator = torch.Generator().manual_seed(0)
 
     def randint(low, high):  # inclusive
@@ -311,7 +312,7 @@ def test_zigzag_block_spans_cut_at_chunks_and_merge_short_pieces():
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         positions = zigzag_indices(randint(0, world_size - 1), world_size, cu_seqlens=cu_seqlens)
         doc_ids = torch.searchsorted(cu_seqlens, positions, right=True) - 1
-        spans = zigzag_block_spans(positions, doc_ids, block_size)
+        spans = block_spans(positions, doc_ids, block_size)
         assert [span.start for span in spans] == [0, *(span.end for span in spans[:-1])][: len(spans)]
         assert (spans[-1].end if spans else 0) == positions.numel()
         for index, span in enumerate(spans):
