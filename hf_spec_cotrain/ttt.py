@@ -62,8 +62,9 @@ def ttt_loss(
         loss_mask: ``[B, L]``, True where *predicting* token ``x_t`` counts (e.g. completion tokens).
             Defaults to every token.
         attention_mask: ``[B, L]`` padding mask of rows whose real tokens are contiguous (left and/or right
-            padding, as TRL lays out prompt + completion). The real tokens are packed into one sequence of
-            documents, one per row at positions from 0, so padding costs nothing. Exclusive with ``cu_seqlens``.
+            padding, as TRL lays out prompt + completion). Each row is shifted so its tokens start at position
+            0, which keeps rows apart without packing them (rows stay batched, which small models run faster
+            than many short documents). Exclusive with ``cu_seqlens``.
         cu_seqlens: packed document boundaries ``[0, ..., L]`` (B must be 1).
         position_ids: ``[B, L]`` RoPE positions of step 0; default: offsets within each document.
         ttt_steps: K, the number of unrolled steps (>= 1).
@@ -112,9 +113,10 @@ def ttt_loss(
     if attention_mask is not None:
         if cu_seqlens is not None:
             raise ValueError("Pass `attention_mask` (padded rows) or `cu_seqlens` (packed documents), not both.")
-        (aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids), cu_seqlens = pack_rows(
+        (aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids), real = left_align_rows(
             attention_mask, aux_hidden_states, input_embeds, teacher_logits, loss_mask, position_ids
         )
+        loss_mask = loss_mask & real
         batch, length = input_embeds.shape[:2]
 
     if context_parallel:
@@ -197,31 +199,36 @@ def ttt_loss(
     return TTTOutput(loss=total, step_losses=step_losses, step_accuracies=step_accuracies, step_counts=step_counts)
 
 
-def pack_rows(
+def left_align_rows(
     attention_mask: torch.Tensor, *tensors: torch.Tensor | None
 ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """Pack the real tokens of ``[B, L, ...]`` rows into one ``[1, N, ...]`` sequence of documents, one per row
-    (rows without a token give an empty document). Returns the packed tensors (None stays None) and
-    ``cu_seqlens``. Rows must hold their real tokens contiguously (left and/or right padding).
+    """Shift each row of ``[B, L, ...]`` tensors so its real tokens start at column 0, and drop the columns
+    no row uses. Returns the shifted tensors (None stays None) and the ``[B, L']`` mask of real tokens.
+
+    Causal attention then never lets a real token see padding (which now trails every row).
     """
     keep = attention_mask.to(torch.bool)
+    batch, length = keep.shape
+    columns = torch.arange(length, device=keep.device)
     lengths = keep.sum(-1)
     first = torch.where(lengths > 0, keep.int().argmax(-1), 0)
-    columns = torch.arange(keep.shape[1], device=keep.device)
     contiguous = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
     if not torch.equal(contiguous, keep):
         raise ValueError(
             "`attention_mask` has rows whose real tokens are not contiguous (a hole between two tokens); pack "
             "such sequences as documents with `cu_seqlens` instead."
         )
-    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    packed = [None if t is None else t[keep].unsqueeze(0) for t in tensors]
-    return packed, cu_seqlens
+    width = max(int(lengths.max()), 1) if batch else 0
+    source = (first[:, None] + columns[None, :width]).clamp(max=length - 1)
+    rows = torch.arange(batch, device=keep.device)[:, None]
+    shifted = [None if t is None else t[rows, source] for t in tensors]
+    return shifted, columns[None, :width] < lengths[:, None]
 
 
 def _positions_still_counted(counted_steps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Positions (columns) whose output at this step or a later one reaches a counted loss. A step's output at
-    a position only feeds that position's next step (its branch is private), so the others can be skipped."""
+    """Positions (columns, over all rows) whose output at this step or a later one reaches a counted loss. A
+    step's output at a position only feeds that position's next step (its branch is private), so the other
+    positions can be skipped."""
     still_counted = torch.stack(list(counted_steps)).flatten(0, 1).any(0)
     return still_counted.nonzero().squeeze(1)
 

@@ -174,16 +174,20 @@ def test_ttt_float32_close_to_float64():
         torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_padded_rows_equal_packed_documents():
+@pytest.mark.parametrize("counted", ["random", "completions"])
+def test_padded_rows_equal_packed_documents(counted):
     """Rows padded on both sides (TRL's left-padded prompt + right-padded completion) give the loss of the
-    packed documents."""
+    packed documents (with completions only counted, the later steps skip columns no row needs)."""
     _, draft = _draft(draft_vocab_size=40)
-    lengths, left_pads = [9, 4, 12], [3, 0, 2]
+    lengths, left_pads = [11, 9, 12], [3, 0, 2]
     batch, length = len(lengths), 15
     aux, embeds, teacher, loss_mask = _inputs(draft, batch, length, torch.float64)
     attention_mask = torch.zeros(batch, length, dtype=torch.bool)
     for row, (n, pad) in enumerate(zip(lengths, left_pads)):
         attention_mask[row, pad : pad + n] = True
+        if counted == "completions":  # the last 3 tokens: steps 1.. need no row's first two columns
+            loss_mask[row] = False
+            loss_mask[row, pad + n - 3 : pad + n] = True
     padded = ttt_loss(
         draft,
         aux_hidden_states=aux,
@@ -193,7 +197,7 @@ def test_padded_rows_equal_packed_documents():
         attention_mask=attention_mask,
     )
     p_aux, p_embeds, p_teacher, p_mask = (t[attention_mask].unsqueeze(0) for t in (aux, embeds, teacher, loss_mask))
-    cu = torch.tensor([0, 9, 13, 25])
+    cu = torch.tensor([0, 11, 20, 32])
     packed = ttt_loss(
         draft,
         aux_hidden_states=p_aux,
