@@ -53,6 +53,10 @@ def ttt_loss(
     r"""
     The K-step TTT loss: ``sum_d w_d * mean_{counted}(-sum p_teacher log q_draft)`` with ``w_d = decay**d``.
 
+    Step 0 runs on every position (its keys are the trunk); steps 1.. run only on the positions whose outputs
+    still reach a counted loss (a position's output feeds only its own next step), e.g. not on the prompt when
+    only completions count. Without context parallelism; the result is the same.
+
     Args:
         aux_hidden_states: the target's taps at every position, ``[B, L, n * target_hidden]`` or ``n`` tensors.
         teacher_logits: ``[B, L, draft_vocab_size]``; at position ``p`` the policy's prediction of ``x_{p+1}``
