@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from statistics_utils import g_test
+from statistics_utils import exact_distribution, g_test
 from transformers import DynamicCache
 
 from hf_spec_cotrain import Eagle3DraftModel, TapRecorder, ttt_loss
@@ -274,22 +274,6 @@ def test_restores_modes_and_needs_no_binding():
 # ---------------------------------------------------------------------------------------------- sampling
 
 
-def _warped_probs_reference(logits, temperature, top_k, top_p):
-    """Temperature, then top-k (ties kept), then top-p (keep tokens whose higher-ranked mass is < top_p)."""
-    logits = logits / temperature
-    if top_k:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
-        probs = torch.where(keep, probs, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
 @functools.cache
 def _small_vocab_setup():
     tokenizer = build_char_tokenizer("abcdefghijklmnop")  # 20 ids, EOS among them
@@ -320,24 +304,6 @@ def _small_vocab_setup():
     return target, drafts, prompt
 
 
-def _exact_distribution(target, prompt, num_tokens, *, temperature, top_k, top_p, pad):
-    """P(generated tokens) by enumerating every prefix; a sequence ends at EOS and is padded after it."""
-    finished, alive = {}, {(): 1.0}
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            prefixes = list(alive)
-            tails = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)
-            batch = torch.cat([prompt.expand(len(prefixes), -1), tails], dim=1)
-            probs = _warped_probs_reference(target(batch).logits[:, -1], temperature, top_k, top_p)
-            grown = {}
-            for prefix, row in zip(prefixes, probs.tolist()):
-                for token, p in enumerate(row):
-                    if p > 0:
-                        (finished if token == EOS else grown)[(*prefix, token)] = alive[prefix] * p
-            alive = grown
-    return {seq + (pad,) * (num_tokens - len(seq)): p for seq, p in {**finished, **alive}.items()}
-
-
 NUM_SAMPLES = 3000
 NUM_NEW_TOKENS = 3
 
@@ -362,8 +328,8 @@ def _sample(draft, *, seed, **kwargs):
 @functools.cache
 def _exact(temperature=1.0, top_k=0, top_p=1.0):
     target, _, prompt = _small_vocab_setup()
-    return _exact_distribution(
-        target, prompt, NUM_NEW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p, pad=0
+    return exact_distribution(
+        target, prompt, NUM_NEW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p, pad=0, eos=EOS
     )
 
 

@@ -131,6 +131,4 @@ def _check_query_index(query_index: torch.Tensor, *, query_length: int, length: 
     if query_index.numel() != query_length:
         raise ValueError(f"query_index has {query_index.numel()} positions; q has {query_length} queries.")
     if query_length and (query_index[0] < 0 or query_index[-1] >= length or (query_index.diff() <= 0).any()):
-        raise ValueError(
-            f"query_index must be strictly increasing positions in [0, {length}), got {query_index.tolist()}."
-        )
+        raise ValueError(f"query_index must be strictly increasing positions in [0, {length}), got {query_index}.")

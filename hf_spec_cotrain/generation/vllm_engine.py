@@ -589,12 +589,13 @@ def _expand_kernel_is_right() -> bool:
     from vllm.v1.sample import rejection_sampler
 
     cu_num_tokens = torch.tensor([1, 3, 3, 6], dtype=torch.int32)
-    for values in (torch.tensor([0.7, -1.0, 2.5, 1.3]), torch.tensor([5, 9, 2, -1], dtype=torch.int32)):
+    cases = (  # per-request values (-1 stands for greedy, replaced by 1) and their per-token expansion
+        (torch.tensor([0.7, -1.0, 2.5, 1.3]), torch.tensor([0.7, 1.0, 1.0, 1.3, 1.3, 1.3])),
+        (torch.tensor([5, 9, 2, -1], dtype=torch.int32), torch.tensor([5, 9, 9, 1, 1, 1], dtype=torch.int32)),
+    )
+    for values, expected in cases:
         output = torch.full((6,), 77, dtype=values.dtype)
         rejection_sampler._expand(output, values, cu_num_tokens, -1, 1)
-        expected = torch.tensor([0.7, 1.0, 1.0, 1.3, 1.3, 1.3]).to(values.dtype)
-        if values.dtype == torch.int32:
-            expected = torch.tensor([5, 9, 9, 1, 1, 1], dtype=torch.int32)
         if not torch.equal(output, expected):
             return False
     return True
