@@ -52,6 +52,11 @@ class SpecCoTrainConfig(GRPOConfig):
             A transformers scheduler name for the draft.
         draft_update_interval (`int`, *optional*, defaults to `1`):
             Update the draft every this many policy optimizer steps (gradients accumulate in between).
+        draft_train_fraction (`float`, *optional*, defaults to `1.0`):
+            Fraction of each micro-batch's sequences the draft's TTT trains on, drawn at random per micro-batch
+            from (seed, step, micro-batch). The draft's cost falls in proportion (it is 15-40% of a step on the
+            8-layer CPU policies of `scripts/bench_cotrain_overhead.py`) while it still updates every step; the
+            GRPO group's samples of one prompt are alike, so a fraction of them teaches it nearly as much.
 
         > Parameters that control speculative rollouts
 
@@ -139,6 +144,13 @@ class SpecCoTrainConfig(GRPOConfig):
     draft_update_interval: int = field(
         default=1, metadata={"help": "Update the draft every this many policy optimizer steps."}
     )
+    draft_train_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of each micro-batch's sequences the draft trains on (random per micro-batch); lower "
+            "values cut the co-training cost in proportion."
+        },
+    )
     speculative_decoding: bool = field(
         default=True, metadata={"help": "Generate rollouts with the co-trained draft (speculative decoding)."}
     )
@@ -199,6 +211,12 @@ class SpecCoTrainConfig(GRPOConfig):
                     f"`draft_model_name_or_path` loads a draft whose shape is fixed; do not also set "
                     f"{set_fields or ['draft_num_layers']} (they only apply to a draft built from the policy)."
                 )
+        fraction = self.draft_train_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(
+                f"`draft_train_fraction`={fraction!r} is not allowed: it must be a number in (0, 1], the fraction of "
+                "each micro-batch's sequences the draft trains on."
+            )
         if not self.ttt_step_weight_decay > 0:
             raise ValueError(f"`ttt_step_weight_decay`={self.ttt_step_weight_decay} is not allowed: it must be > 0.")
         if self.draft_learning_rate <= 0:
@@ -226,6 +244,12 @@ class SpecCoTrainConfig(GRPOConfig):
             )
         self._check_context_parallel()
         self._check_pipeline_parallel()
+        if self.draft_train_fraction < 1 and (self.context_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError(
+                f"`draft_train_fraction`={self.draft_train_fraction} cannot be combined with `context_parallel_size` > 1 "
+                "or `pipeline_parallel_size` > 1: those steps train the draft on packed or pipelined rows, not on a "
+                "choice of a micro-batch's sequences (set it to 1.0)."
+            )
 
     def _check_context_parallel(self) -> None:
         """Options that the context-parallel training step cannot honour (the world size is checked by the trainer,

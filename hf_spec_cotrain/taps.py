@@ -60,6 +60,15 @@ class Taps:
     embeddings: torch.Tensor | None = None
     final_hidden: torch.Tensor | None = None
 
+    def select_rows(self, rows: torch.Tensor) -> "Taps":
+        """The taps of the batch rows ``rows`` (an index tensor)."""
+        return Taps(
+            *(
+                None if tap is None else tap[rows]
+                for tap in (self.aux_hidden_states, self.embeddings, self.final_hidden)
+            )
+        )
+
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The decoder stack (with ``.layers`` and ``.norm``) of a HF causal LM, through DDP/PEFT wrappers."""

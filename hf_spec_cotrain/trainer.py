@@ -102,6 +102,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         # (taps, attention_mask, loss_mask, cu_seqlens): padded rows, or a context-parallel shard of packed rows
         self._pending_taps: list[tuple[Taps, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
         self._draft_micro_metrics: list[torch.Tensor] = []
+        self._draft_micro_batch = 0  # micro-batches of this step so far (`_draft_rows` draws per micro-batch)
         self.acceptance_history: list[tuple[int, float]] = []
         self.add_callback(_DraftUpdateCallback(self))
         self.rollout_engine = self._build_rollout_engine() if speculative_vllm else None
@@ -183,8 +184,23 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         # The draft learns to predict the tokens the policy generated (the ones rollouts will draft).
         loss_mask = torch.cat([torch.zeros_like(inputs["prompt_mask"]), completion_mask], dim=1)
-        self._pending_taps.append((taps[0], attention_mask, loss_mask, None))
+        rows = self._draft_rows(len(loss_mask))
+        self._draft_micro_batch += 1
+        if rows is None:
+            self._pending_taps.append((taps[0], attention_mask, loss_mask, None))
+        else:
+            self._pending_taps.append((taps[0].select_rows(rows), attention_mask[rows], loss_mask[rows], None))
         return loss
+
+    def _draft_rows(self, batch: int) -> torch.Tensor | None:
+        """The rows of this micro-batch the draft trains on (``draft_train_fraction``; None: all), drawn from (seed,
+        step, rank, micro-batch) so that a resumed run chooses the rows the uninterrupted one did."""
+        count = max(1, round(self.args.draft_train_fraction * batch))
+        if count >= batch:
+            return None
+        key = (self.args.seed, self.state.global_step, self.accelerator.process_index, self._draft_micro_batch)
+        generator = torch.Generator().manual_seed(hash(key) % 2**63)
+        return torch.randperm(batch, generator=generator)[:count].sort().values
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.context_parallel_group is not None:
@@ -954,6 +970,7 @@ class _DraftUpdateCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._draft_micro_batch = 0
         if state.global_step % self.trainer.args.draft_update_interval == 0:
             self.trainer._draft_update()
         return control

@@ -15,6 +15,7 @@ of the step is set by the policy's depth.
     python scripts/bench_cotrain_overhead.py                     # every size
     python scripts/bench_cotrain_overhead.py --sizes deep --steps 6
     python scripts/bench_cotrain_overhead.py --quick             # tiny only, fewer steps
+    python scripts/bench_cotrain_overhead.py --draft_train_fractions 1 0.5 0.25   # one column per fraction
 """
 
 import argparse
@@ -79,7 +80,16 @@ def fixed_rollouts(trainer_cls):
     return Fixed
 
 
-def run(policy_dir: str, *, cotrain: bool, fixed: bool, steps: int, batch: int, completion_length: int) -> list[float]:
+def run(
+    policy_dir: str,
+    *,
+    cotrain: bool,
+    fixed: bool,
+    steps: int,
+    batch: int,
+    completion_length: int,
+    fraction: float = 1.0,
+) -> list[float]:
     common = dict(
         output_dir=tempfile.mkdtemp(),
         use_cpu=True,
@@ -101,7 +111,7 @@ def run(policy_dir: str, *, cotrain: bool, fixed: bool, steps: int, batch: int, 
         trainer = wrap(SpecCoTrainGRPOTrainer)(
             model=policy_dir,
             reward_funcs=reward,
-            args=SpecCoTrainConfig(**common, speculative_decoding=False),
+            args=SpecCoTrainConfig(**common, speculative_decoding=False, draft_train_fraction=fraction),
             train_dataset=prompts,
             processing_class=build_char_tokenizer(),
         )
@@ -125,35 +135,51 @@ def main():
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument(
+        "--draft_train_fractions",
+        nargs="+",
+        type=float,
+        default=[1.0],
+        help="`draft_train_fraction` values to measure side by side (each a co-training column)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = ["tiny"] if args.quick else args.sizes
     steps = args.steps or (6 if args.quick else 10)
+    fractions = args.draft_train_fractions
+    columns = "".join(f"{f'co-train x{fraction:g} s (ratio)':>26}" for fraction in fractions)
+    header = f"{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{columns}"
     rows = []
-    header = f"{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{'co-training s/step':>20}{'ratio':>8}"
 
     def show(size, kind, plain, cotrain):
-        print(f"{size:<8}{kind:<15}{plain:>19.3f}{cotrain:>20.3f}{cotrain / plain:>8.3f}", flush=True)
+        cells = "".join(f"{f'{seconds:.3f} ({seconds / plain:.3f})':>26}" for seconds in cotrain)
+        print(f"{size:<8}{kind:<15}{plain:>19.3f}{cells}", flush=True)
 
     with tempfile.TemporaryDirectory() as root:
         for size in sizes:
             policy_dir = str(save_tiny_target(Path(root, size), "llama", **SIZES[size]))
             shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128)
             for fixed in (False, True):
-                # Interleave the two so a change of machine load hits both alike.
-                plain, cotrain = [], []
+                # Interleave the runs so a change of machine load hits all alike.
+                plain, cotrain = [], {fraction: [] for fraction in fractions}
                 for _ in range(2):
                     plain += run(policy_dir, cotrain=False, fixed=fixed, steps=steps, **shapes)
-                    cotrain += run(policy_dir, cotrain=True, fixed=fixed, steps=steps, **shapes)
+                    for fraction in fractions:
+                        cotrain[fraction] += run(
+                            policy_dir, cotrain=True, fixed=fixed, steps=steps, fraction=fraction, **shapes
+                        )
                 kind = "training only" if fixed else "full step"
-                rows.append((size, kind, statistics.median(plain), statistics.median(cotrain)))
+                medians = [statistics.median(cotrain[fraction]) for fraction in fractions]
+                rows.append((size, kind, statistics.median(plain), medians))
                 print(f"[bench] {header}", flush=True)  # each row as soon as it is measured
                 show(*rows[-1])
     print(f"\n{header}")
     for row in rows:
         show(*row)
-    full = [c / p for _, kind, p, c in rows if kind == "full step"]
-    print("goal: full-step ratio <= 1.10 ->", "met" if all(r <= 1.10 for r in full) else "NOT met")
+    for index, fraction in enumerate(fractions):
+        full = [cotrain[index] / plain for _, kind, plain, cotrain in rows if kind == "full step"]
+        verdict = "met" if all(ratio <= 1.10 for ratio in full) else "NOT met"
+        print(f"goal: full-step ratio <= 1.10 at draft_train_fraction={fraction:g} -> {verdict}")
 
 
 if __name__ == "__main__":

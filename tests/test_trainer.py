@@ -144,9 +144,10 @@ def test_no_extra_target_forward_and_policy_bitwise_unchanged(policy_dir, tmp_pa
         assert torch.equal(tensor, plain_state[name]), name
 
 
-def test_resume_from_checkpoint_gives_identical_policy_and_draft(policy_dir, tmp_path):
+@pytest.mark.parametrize("draft_train_fraction", [1.0, 0.5])
+def test_resume_from_checkpoint_gives_identical_policy_and_draft(policy_dir, tmp_path, draft_train_fraction):
     # A constant schedule: a linear decay would depend on max_steps, which differs between the runs.
-    constant = dict(lr_scheduler_type="constant")
+    constant = dict(lr_scheduler_type="constant", draft_train_fraction=draft_train_fraction)
     straight = _trainer(policy_dir, _config(tmp_path / "straight", max_steps=4, **constant))
     straight.train()
     first = _trainer(
@@ -164,6 +165,45 @@ def test_resume_from_checkpoint_gives_identical_policy_and_draft(policy_dir, tmp
         torch.testing.assert_close(_state(resumed.model)[name], tensor, rtol=0, atol=0, msg=name)
     for name, tensor in _state(straight.draft).items():
         torch.testing.assert_close(_state(resumed.draft)[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_draft_train_fraction_trains_on_seeded_rows_of_each_micro_batch(policy_dir, tmp_path, monkeypatch):
+    """With ``draft_train_fraction=0.5`` every TTT call sees 2 of the micro-batch's 4 rows, exactly the taps the
+    full run records for those rows; the choice changes between micro-batches and the policy is unaffected."""
+    import hf_spec_cotrain.trainer as trainer_module
+
+    calls = {"full": [], "half": []}
+    run = {"name": None}
+    real_ttt_loss = trainer_module.ttt_loss
+
+    def recording_ttt_loss(draft, **kwargs):
+        calls[run["name"]].append({k: kwargs[k].clone() for k in ("aux_hidden_states", "input_embeds", "loss_mask")})
+        return real_ttt_loss(draft, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "ttt_loss", recording_ttt_loss)
+    chosen_rows, trainers = [], {}
+    for name, fraction in (("full", 1.0), ("half", 0.5)):
+        run["name"] = name
+        config = _config(tmp_path / name, speculative_decoding=False, draft_train_fraction=fraction)
+        trainer = trainers[name] = _trainer(policy_dir, config)
+        if fraction < 1:
+            real_rows = trainer._draft_rows
+
+            def recording_rows(batch, real_rows=real_rows):
+                rows = real_rows(batch)
+                chosen_rows.append(rows)
+                return rows
+
+            trainer._draft_rows = recording_rows
+        trainer.train()
+    assert len(calls["half"]) == len(calls["full"]) == len(chosen_rows) == 3
+    assert len({tuple(rows.tolist()) for rows in chosen_rows}) > 1
+    for full, half, rows in zip(calls["full"], calls["half"], chosen_rows):
+        assert len(rows) == 2
+        for key, tensor in half.items():
+            assert torch.equal(tensor, full[key][rows]), key
+    for name, tensor in _state(trainers["full"].model).items():
+        assert torch.equal(tensor, _state(trainers["half"].model)[name]), name
 
 
 def test_nonfinite_draft_loss_skips_the_draft_step_only(policy_dir, tmp_path, monkeypatch):
@@ -241,6 +281,11 @@ def test_config_rejects_bad_values(tmp_path):
         _config(tmp_path, draft_sampling="eager")
     with pytest.raises(ValueError, match="draft_model_name_or_path"):
         _config(tmp_path, draft_model_name_or_path="x", draft_vocab_size=10)
+    for fraction in (0.0, 1.5, "half"):
+        with pytest.raises(ValueError, match="draft_train_fraction"):
+            _config(tmp_path, draft_train_fraction=fraction)
+    with pytest.raises(ValueError, match="draft_train_fraction`=0.5 cannot be combined"):
+        _config(tmp_path, draft_train_fraction=0.5, context_parallel_size=2)
     with pytest.raises(ValueError, match="draft_learning_rate"):
         _config(tmp_path, draft_learning_rate=0.0)
     with pytest.raises(ValueError, match="repetition_penalty=1.2"):
