@@ -24,9 +24,9 @@ From a benchmark (``scripts/`` is not a package, so put it on the path first)::
 
     assets = ensure_bench_assets()  # BenchAssets(target_dir=..., draft_dir=..., ...)
 
-From the shell (about 60 minutes the first time on an idle machine with the default budgets)::
+From the shell (about 55 minutes the first time on an idle machine with the default budgets)::
 
-    OMP_NUM_THREADS=2 python scripts/bench_assets.py [--cache_dir DIR] [--target_minutes 40] [--draft_minutes 15]
+    OMP_NUM_THREADS=2 python scripts/bench_assets.py [--cache_dir DIR] [--target_minutes 40] [--draft_minutes 10]
 """
 
 import argparse
@@ -108,7 +108,7 @@ class DraftConfig:
     warmup_steps: int = 20
     batch_size: int = 8
     max_length: int = 512
-    minutes: float = 15.0
+    minutes: float = 10.0
     seed: int = 0
 
 
