@@ -62,12 +62,7 @@ class Taps:
 
     def select_rows(self, rows: torch.Tensor) -> "Taps":
         """The taps of the batch rows ``rows`` (an index tensor)."""
-        return Taps(
-            *(
-                None if tap is None else tap[rows]
-                for tap in (self.aux_hidden_states, self.embeddings, self.final_hidden)
-            )
-        )
+        return Taps(**{name: None if tap is None else tap[rows] for name, tap in vars(self).items()})
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -198,8 +198,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         count = max(1, round(self.args.draft_train_fraction * batch))
         if count >= batch:
             return None
-        key = (self.args.seed, self.state.global_step, self.accelerator.process_index, self._draft_micro_batch)
-        generator = torch.Generator().manual_seed(hash(key) % 2**63)
+        generator = _seeded_generator(
+            self.args.seed, self.state.global_step, self.accelerator.process_index, self._draft_micro_batch
+        )
         return torch.randperm(batch, generator=generator)[:count].sort().values
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -794,8 +795,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         # Rollout randomness from (seed, step, rank) rather than the global RNG: a resumed run samples exactly
         # the rollouts the uninterrupted run would have.
         mode_offset = 0 if self.model.training else 1
-        generator = torch.Generator(device=device).manual_seed(
-            hash((self.args.seed, self.state.global_step, self.accelerator.process_index, mode_offset)) % 2**63
+        generator = _seeded_generator(
+            self.args.seed, self.state.global_step, self.accelerator.process_index, mode_offset, device=device
         )
         started = time.perf_counter()
         with (
@@ -956,6 +957,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             if self.args.push_draft_to_hub:
                 self.push_draft_to_hub()
         return output
+
+
+def _seeded_generator(*key: int, device=None) -> torch.Generator:
+    """A generator seeded from ``key`` (ints hash the same in every process and run), not from the global RNG."""
+    return torch.Generator(device=device).manual_seed(hash(key) % 2**63)
 
 
 def _inputs_to(inputs: dict, device) -> dict:
