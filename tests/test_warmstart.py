@@ -91,6 +91,21 @@ def test_training_lowers_held_out_loss_and_raises_agreement(target, tokenizer, h
     }
 
 
+def test_bf16_autocast_trains_like_float32(target, tokenizer, held_out, trained):
+    """`bf16=True` (autocast) keeps float32 weights and lands close to the same run in float32."""
+    config, float32_result = trained
+    bf16_config = DraftTrainingConfig(**{**vars(config), "output_dir": None, "bf16": True})
+    bf16_result = train_draft(target, tokenizer, Dataset.from_dict({"text": _sentences(48, seed=0)}), bf16_config)
+    assert {parameter.dtype for parameter in bf16_result.draft.parameters()} == {torch.float32}
+    torch.manual_seed(config.seed)
+    before = _evaluate(target, Eagle3DraftModel.from_target(target), held_out, tokenizer)
+    after = _evaluate(target, bf16_result.draft, held_out, tokenizer)
+    reference = _evaluate(target, float32_result.draft, held_out, tokenizer)
+    for step in range(3):
+        assert after[f"loss_step_{step}"] < before[f"loss_step_{step}"] - 1.0, (before, after)
+        assert abs(after[f"loss_step_{step}"] - reference[f"loss_step_{step}"]) < 0.05, (reference, after)
+
+
 def test_checkpoint_is_saved_and_loads_back(target, tokenizer, held_out, trained):
     config, result = trained
     folder = Path(config.output_dir)

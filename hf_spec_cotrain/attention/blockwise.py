@@ -335,6 +335,12 @@ def branch_attention_backward(
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
 
 
+def autocast_off(tensor: torch.Tensor):
+    """The kernels choose their own compute dtype (float32 for half precision); an enclosing autocast would run
+    their matmuls in half precision next to float32 partials, so the custom autograd functions turn it off."""
+    return torch.autocast(tensor.device.type, enabled=False)
+
+
 def _at_queries(positions, doc_ids, query_index):
     """Positions and document ids of the queries: all L, or those at `query_index`."""
     if query_index is None:
@@ -348,7 +354,10 @@ class BranchAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, branch_k, branch_v, positions, doc_ids, query_index, scale, block_size):
         layout = dict(positions=positions, doc_ids=doc_ids, query_index=query_index)
-        out, lse = branch_attention_forward(q, k, v, branch_k, branch_v, **layout, scale=scale, block_size=block_size)
+        with autocast_off(q):
+            out, lse = branch_attention_forward(
+                q, k, v, branch_k, branch_v, **layout, scale=scale, block_size=block_size
+            )
         ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse, positions, doc_ids, query_index)
         ctx.scale, ctx.block_size = scale, block_size
         return out
@@ -357,21 +366,22 @@ class BranchAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, branch_k, branch_v, out, lse, positions, doc_ids, query_index = ctx.saved_tensors
-        grads = branch_attention_backward(
-            dout,
-            q,
-            k,
-            v,
-            branch_k,
-            branch_v,
-            out,
-            lse,
-            positions=positions,
-            doc_ids=doc_ids,
-            query_index=query_index,
-            scale=ctx.scale,
-            block_size=ctx.block_size,
-        )
+        with autocast_off(q):
+            grads = branch_attention_backward(
+                dout,
+                q,
+                k,
+                v,
+                branch_k,
+                branch_v,
+                out,
+                lse,
+                positions=positions,
+                doc_ids=doc_ids,
+                query_index=query_index,
+                scale=ctx.scale,
+                block_size=ctx.block_size,
+            )
         return *grads, None, None, None, None, None
 
 

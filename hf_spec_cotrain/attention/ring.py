@@ -31,6 +31,7 @@ from .blockwise import (
     BLOCK_SIZE,
     _compute_dtype,
     _grouped,
+    autocast_off,
     branch_backward,
     branch_forward,
     trunk_backward,
@@ -304,9 +305,10 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size, kernels):
         forward, _ = kernels
-        out, lse, (trunk_k, trunk_v) = forward(
-            q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
-        )
+        with autocast_off(q):
+            out, lse, (trunk_k, trunk_v) = forward(
+                q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
+            )
         ctx.save_for_backward(q, trunk_k, trunk_v, branch_k, branch_v, out, lse)
         ctx.layout, ctx.scale, ctx.block_size, ctx.kernels = layout, scale, block_size, kernels
         return out
@@ -315,7 +317,8 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         _, backward = ctx.kernels
-        grads = backward(dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size)
+        with autocast_off(dout):
+            grads = backward(dout, *ctx.saved_tensors, layout=ctx.layout, scale=ctx.scale, block_size=ctx.block_size)
         return *grads, None, None, None, None
 
 

@@ -147,6 +147,7 @@ def test_matches_dense_reference(cp_pool, world_size, mode):
 
 
 def check_bfloat16(size: int) -> float:
+    """The worst relative error of bf16 against float64; also checks that autocast changes nothing."""
     group = subgroup(size)
     rank = dist.get_rank(group)
     case = {**random_case(5, size), "num_branch": 2, "doc_lengths": [8, 16, 24], "batch_size": 1, "length": 48}
@@ -160,15 +161,14 @@ def check_bfloat16(size: int) -> float:
         for name, t in inputs.items()
     }
     upstream_shard = zigzag_shard(upstream, 2, rank, size, cu_seqlens)
-    actual = outputs_and_grads(
-        lambda **kw: branch_attention(**kw, cp_group=group, block_size=4),
-        shards,
-        upstream_shard,
-        cu_seqlens=cu_seqlens,
-    )
+    ring = lambda **kw: branch_attention(**kw, cp_group=group, block_size=4)  # noqa: E731
+    actual = outputs_and_grads(ring, shards, upstream_shard, cu_seqlens=cu_seqlens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed-precision training: the kernel keeps its own dtype
+        under_autocast = outputs_and_grads(ring, shards, upstream_shard, cu_seqlens=cu_seqlens)
     worst = 0.0
     for index, (got, want) in enumerate(zip(actual, expected)):
         assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(under_autocast[index], got, rtol=0, atol=0)
         want = zigzag_shard(want, 3 if index >= 4 else 2, rank, size, cu_seqlens)
         worst = max(worst, float((got.double() - want).norm() / want.norm()))
     return worst
