@@ -234,19 +234,20 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         cp_group = self.context_parallel_group if cu_seqlens is not None else None
         with torch.no_grad():
             teacher = self._teacher_logits(taps.final_hidden)
-        out = ttt_loss(
-            self.draft,
-            aux_hidden_states=taps.aux_hidden_states,
-            input_embeds=taps.embeddings,
-            teacher_logits=teacher,
-            loss_mask=loss_mask.bool(),
-            attention_mask=None if attention_mask is None else attention_mask.bool(),
-            cu_seqlens=cu_seqlens,
-            ttt_steps=args.ttt_steps,
-            step_weight_decay=args.ttt_step_weight_decay,
-            cp_group=cp_group,
-            gradient_checkpointing=args.ttt_gradient_checkpointing,
-        )
+        with self._draft_autocast():
+            out = ttt_loss(
+                self.draft,
+                aux_hidden_states=taps.aux_hidden_states,
+                input_embeds=taps.embeddings,
+                teacher_logits=teacher,
+                loss_mask=loss_mask.bool(),
+                attention_mask=None if attention_mask is None else attention_mask.bool(),
+                cu_seqlens=cu_seqlens,
+                ttt_steps=args.ttt_steps,
+                step_weight_decay=args.ttt_step_weight_decay,
+                cp_group=cp_group,
+                gradient_checkpointing=args.ttt_gradient_checkpointing,
+            )
         total_loss = out.loss.detach()
         if cp_group is not None:
             # `out.loss` is this rank's share; the step losses are global, so every rank of the group takes the same
@@ -269,6 +270,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 ]
             )
         )
+
+    def _draft_autocast(self):
+        """The policy's bf16 mixed precision (``bf16=True``) for the draft's TTT too (accelerate autocasts only the
+        policy's forward). The draft keeps float32 weights; fp16 would need a loss scaler of its own, so it stays
+        float32 then."""
+        if self.accelerator.mixed_precision == "bf16":
+            return self.accelerator.autocast()
+        return nullcontext()
 
     def _draft_update(self) -> None:
         """One draft optimizer step (called after the policy's): average, clip, skip if non-finite, step."""

@@ -16,6 +16,7 @@ of the step is set by the policy's depth.
     python scripts/bench_cotrain_overhead.py --sizes deep --steps 6
     python scripts/bench_cotrain_overhead.py --quick             # tiny only, fewer steps
     python scripts/bench_cotrain_overhead.py --draft_train_fractions 1 0.5 0.25   # one column per fraction
+    python scripts/bench_cotrain_overhead.py --bf16              # both trainers in bf16 mixed precision
 """
 
 import argparse
@@ -89,11 +90,12 @@ def run(
     batch: int,
     completion_length: int,
     fraction: float = 1.0,
+    bf16: bool = False,
 ) -> list[float]:
     common = dict(
         output_dir=tempfile.mkdtemp(),
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         report_to="none",
         per_device_train_batch_size=batch,
         num_generations=4,
@@ -142,6 +144,9 @@ def main():
         default=[1.0],
         help="`draft_train_fraction` values to measure side by side (each a co-training column)",
     )
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 mixed precision in both trainers (the draft's TTT follows it)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = ["tiny"] if args.quick else args.sizes
@@ -158,7 +163,7 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         for size in sizes:
             policy_dir = str(save_tiny_target(Path(root, size), "llama", **SIZES[size]))
-            shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128)
+            shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128, bf16=args.bf16)
             for fixed in (False, True):
                 # Interleave the runs so a change of machine load hits all alike.
                 plain, cotrain = [], {fraction: [] for fraction in fractions}

@@ -112,6 +112,25 @@ def test_cotraining_updates_draft_and_logs_metrics(policy_dir, tmp_path):
     assert "Acceptance during RL" in (folder / "README.md").read_text()
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_draft_trains_in_the_policys_mixed_precision(policy_dir, tmp_path, bf16):
+    """`bf16=True`: the draft's TTT runs under the same bf16 autocast as the policy's forward, on float32 weights;
+    rollouts (no gradient) and float32 training run in float32."""
+    trainer = _trainer(policy_dir, _config(tmp_path, bf16=bf16, max_steps=2))
+    draft_before = _state(trainer.draft)
+    dtypes = {True: set(), False: set()}  # by whether the forward records a graph (training)
+    record = lambda module, args, output: dtypes[torch.is_grad_enabled()].add(output.dtype)  # noqa: E731
+    handle = trainer.draft.midlayer.mlp.down_proj.register_forward_hook(record)
+    trainer.train()
+    handle.remove()
+    assert dtypes[True] == ({torch.bfloat16} if bf16 else {torch.float32})
+    assert dtypes[False] == {torch.float32}
+    assert {parameter.dtype for parameter in trainer.draft.parameters()} == {torch.float32}
+    assert not torch.equal(_state(trainer.draft)["fc.weight"], draft_before["fc.weight"])
+    losses = [entry["draft/loss"] for entry in trainer.state.log_history if "draft/loss" in entry]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
 class _ForwardCounter:
     def __init__(self, model):
         self.count = 0
