@@ -49,6 +49,22 @@ def load_prompts(assets: BenchAssets, count: int) -> list[list[int]]:
     return [row[:prefix_len] for row in sequences[:count]]
 
 
+def speed_up_cells(baseline_tps: float, speculative_tps: float, acceptance: float | None, k: int) -> list[str]:
+    """Speed-up, acceptance, the cost of one speculative round in plain decoding steps (a round emits
+    ``acceptance`` tokens in the time plain decoding emits ``acceptance / speed-up``), and the speed-up at full
+    acceptance for that cost: what a better draft could reach on this machine."""
+    speed_up = speculative_tps / baseline_tps
+    if acceptance is None:  # no spec-decode counters
+        return [fmt(speed_up, ".2f") + "x", "-", "-", "-"]
+    round_cost = acceptance / speed_up
+    return [
+        fmt(speed_up, ".2f") + "x",
+        fmt(acceptance, ".2f"),
+        fmt(round_cost, ".2f"),
+        fmt((k + 1) / round_cost, ".2f") + "x",
+    ]
+
+
 def completion_lengths(completions: torch.Tensor, *, eos_token_id: int | None) -> list[int]:
     """Generated tokens per row of ``[B, new]`` completions: up to and including the first EOS."""
     lengths = []
@@ -389,8 +405,9 @@ def main(argv: list[str] | None = None) -> None:
                 str(count),
                 fmt(baseline.tokens_per_second),
                 fmt(speculative.tokens_per_second),
-                fmt(speculative.tokens_per_second / baseline.tokens_per_second, ".2f") + "x",
-                fmt(speculative.acceptance_length, ".2f"),
+                *speed_up_cells(
+                    baseline.tokens_per_second, speculative.tokens_per_second, speculative.acceptance_length, k
+                ),
                 f"{equal}/{len(baseline.completions)}",
             ]
         )
@@ -425,17 +442,24 @@ def main(argv: list[str] | None = None) -> None:
                     str(len(speculative["completions"])),
                     fmt(baseline["tokens_per_second"]),
                     fmt(speculative["tokens_per_second"]),
-                    fmt(speculative["tokens_per_second"] / baseline["tokens_per_second"], ".2f") + "x",
-                    fmt(speculative["acceptance_length"], ".2f"),
+                    *speed_up_cells(
+                        baseline["tokens_per_second"],
+                        speculative["tokens_per_second"],
+                        speculative["acceptance_length"],
+                        k,
+                    ),
                     f"{equal}/{min(len(reference), len(produced))}",
                 ]
             )
 
     print()
-    print_table(
-        ["engine", "batch", "prompts", "no-spec tok/s", "spec tok/s", "speedup", "accept len", "== target"], rows
+    headers = ["engine", "batch", "prompts", "no-spec tok/s", "spec tok/s", "speedup", "accept len", "round cost"]
+    print_table([*headers, "ceiling", "== target"], rows)
+    print(
+        "\n`round cost`: one draft-and-verify round in plain decoding steps (acceptance / speed-up); `ceiling`: the "
+        f"speed-up if every draft token were accepted at that cost (K + 1 = {k + 1} tokens per round)."
+        f"\n`== target`: rows whose speculative greedy output equals HF `target.generate`'s. {machine_load()}"
     )
-    print(f"\n`== target`: rows whose speculative greedy output equals HF `target.generate`'s. {machine_load()}")
 
 
 if __name__ == "__main__":
