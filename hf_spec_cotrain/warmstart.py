@@ -181,26 +181,31 @@ def draft_loss_on_batch(
     *,
     ttt_steps: int,
     step_weight_decay: float,
+    bf16: bool = False,
 ) -> TTTOutput:
-    """Run the frozen target once (taps and teacher by hooks) and return the draft's TTT loss on the batch."""
+    """Run the frozen target once (taps and teacher by hooks) and return the draft's TTT loss on the batch.
+
+    ``bf16``: the target's forward and the draft's TTT under bf16 autocast; the teacher is computed in float32.
+    """
     device = target.get_input_embeddings().weight.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    with torch.no_grad(), recorder.capture():
-        recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd rows
-    taps = recorder.pop()
-    with torch.no_grad(), torch.autocast(device.type, enabled=False):  # the teacher stays in float32 under autocast
-        head = target.get_output_embeddings().weight[draft.draft_to_target_ids]
-        teacher_logits = taps.final_hidden.float() @ head.float().T
-    return ttt_loss(
-        draft,
-        aux_hidden_states=taps.aux_hidden_states,
-        input_embeds=taps.embeddings,
-        teacher_logits=teacher_logits,
-        loss_mask=attention_mask,
-        attention_mask=attention_mask,
-        ttt_steps=ttt_steps,
-        step_weight_decay=step_weight_decay,
-    )
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.no_grad(), recorder.capture():
+            recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd
+        taps = recorder.pop()
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            head = target.get_output_embeddings().weight[draft.draft_to_target_ids]
+            teacher_logits = taps.final_hidden.float() @ head.float().T
+        return ttt_loss(
+            draft,
+            aux_hidden_states=taps.aux_hidden_states,
+            input_embeds=taps.embeddings,
+            teacher_logits=teacher_logits,
+            loss_mask=attention_mask,
+            attention_mask=attention_mask,
+            ttt_steps=ttt_steps,
+            step_weight_decay=step_weight_decay,
+        )
 
 
 def evaluate_draft(
@@ -287,7 +292,6 @@ def train_draft(
     draft.bind_target(target)
     draft.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    device_type = target.get_input_embeddings().weight.device.type
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total_steps = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_epochs * steps_per_epoch))
@@ -317,16 +321,16 @@ def train_draft(
     step = 0
     with TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True) as recorder:
         for input_ids, attention_mask in _epochs(train_set, config, pad_id):
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=config.bf16):
-                out = draft_loss_on_batch(
-                    target,
-                    draft,
-                    recorder,
-                    input_ids,
-                    attention_mask,
-                    ttt_steps=config.ttt_steps,
-                    step_weight_decay=config.step_weight_decay,
-                )
+            out = draft_loss_on_batch(
+                target,
+                draft,
+                recorder,
+                input_ids,
+                attention_mask,
+                ttt_steps=config.ttt_steps,
+                step_weight_decay=config.step_weight_decay,
+                bf16=config.bf16,
+            )
             out.loss.backward()
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), config.max_grad_norm)

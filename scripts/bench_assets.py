@@ -412,16 +412,16 @@ def draft_step_seconds(
     with TapRecorder(target, config.aux_layer_ids, record_embeddings=True, record_final_hidden=True) as recorder:
         for _ in range(num_steps + 1):
             started = compute_clock()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                out = draft_loss_on_batch(
-                    target,
-                    draft,
-                    recorder,
-                    input_ids,
-                    attention_mask,
-                    ttt_steps=config.ttt_steps,
-                    step_weight_decay=0.8,
-                )
+            out = draft_loss_on_batch(
+                target,
+                draft,
+                recorder,
+                input_ids,
+                attention_mask,
+                ttt_steps=config.ttt_steps,
+                step_weight_decay=0.8,
+                bf16=config.bf16,
+            )
             out.loss.backward()
             seconds.append(compute_clock() - started)
     return sum(seconds[1:]) / num_steps
