@@ -58,14 +58,27 @@ SIZES = {
 
 
 class StepTimer(TrainerCallback):
+    """Step times, and (co-training) the seconds of each step spent in the draft's TTT micro-steps."""
+
     def __init__(self):
-        self.times, self._start = [], None
+        self.times, self.draft_times, self._start, self._draft = [], [], None, 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        self._start, self._draft = time.perf_counter(), 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self._start)
+        self.draft_times.append(self._draft)
+
+    def time_draft_micro_steps(self, trainer) -> None:
+        micro_step = trainer._draft_micro_step
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            micro_step(*args, **kwargs)
+            self._draft += time.perf_counter() - started
+
+        trainer._draft_micro_step = timed
 
 
 def fixed_rollouts(trainer_cls):
@@ -127,8 +140,11 @@ def run(
         )
     timer = StepTimer()
     trainer.add_callback(timer)
+    if cotrain:
+        timer.time_draft_micro_steps(trainer)
     trainer.train()
-    return timer.times[2:]  # the first steps include one-off allocation and dispatch warm-up
+    # the first steps include one-off allocation and dispatch warm-up
+    return (timer.times[2:], timer.draft_times[2:]) if cotrain else timer.times[2:]
 
 
 def main():
@@ -166,18 +182,23 @@ def main():
             shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128, bf16=args.bf16)
             for fixed in (False, True):
                 # Interleave the runs so a change of machine load hits all alike.
-                plain, cotrain = [], {fraction: [] for fraction in fractions}
+                plain = []
+                cotrain, draft = {fraction: [] for fraction in fractions}, {fraction: [] for fraction in fractions}
                 for _ in range(2):
                     plain += run(policy_dir, cotrain=False, fixed=fixed, steps=steps, **shapes)
                     for fraction in fractions:
-                        cotrain[fraction] += run(
+                        step_times, draft_times = run(
                             policy_dir, cotrain=True, fixed=fixed, steps=steps, fraction=fraction, **shapes
                         )
+                        cotrain[fraction] += step_times
+                        draft[fraction] += draft_times
                 kind = "training only" if fixed else "full step"
                 medians = [statistics.median(cotrain[fraction]) for fraction in fractions]
                 rows.append((size, kind, statistics.median(plain), medians))
                 print(f"[bench] {header}", flush=True)  # each row as soon as it is measured
                 show(*rows[-1])
+                in_draft = ", ".join(f"x{f:g} {statistics.median(draft[f]):.3f}" for f in fractions)
+                print(f"[bench] {size} {kind}: draft TTT micro-steps, s/step (median): {in_draft}", flush=True)
     print(f"\n{header}")
     for row in rows:
         show(*row)
