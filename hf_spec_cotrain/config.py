@@ -54,9 +54,9 @@ class SpecCoTrainConfig(GRPOConfig):
             Update the draft every this many policy optimizer steps (gradients accumulate in between).
         draft_train_fraction (`float`, *optional*, defaults to `1.0`):
             Fraction of each micro-batch's sequences the draft's TTT trains on, drawn at random per micro-batch
-            from (seed, step, rank, micro-batch). The draft's cost falls with it (0.25 removes about two thirds
-            of it; some per-step work does not shrink) while it still updates every step; the GRPO group's
-            samples of one prompt are alike, so a fraction of them teaches it nearly as much.
+            from (seed, step, rank, micro-batch). The draft's cost falls in proportion (it is linear in the rows
+            it trains on) while it still updates every step; the GRPO group's samples of one prompt are alike,
+            so a fraction of them teaches it nearly as much.
 
         > Parameters that control speculative rollouts
 
@@ -148,7 +148,7 @@ class SpecCoTrainConfig(GRPOConfig):
         default=1.0,
         metadata={
             "help": "Fraction of each micro-batch's sequences the draft trains on (random per micro-batch); lower "
-            "values cut the co-training cost."
+            "values cut the co-training cost in proportion."
         },
     )
     speculative_decoding: bool = field(

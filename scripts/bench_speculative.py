@@ -54,15 +54,10 @@ def speed_up_cells(baseline_tps: float, speculative_tps: float, acceptance: floa
     ``acceptance`` tokens in the time plain decoding emits ``acceptance / speed-up``), and the speed-up at full
     acceptance for that cost: what a better draft could reach on this machine."""
     speed_up = speculative_tps / baseline_tps
-    if acceptance is None:  # no spec-decode counters
-        return [fmt(speed_up, ".2f") + "x", "-", "-", "-"]
-    round_cost = acceptance / speed_up
-    return [
-        fmt(speed_up, ".2f") + "x",
-        fmt(acceptance, ".2f"),
-        fmt(round_cost, ".2f"),
-        fmt((k + 1) / round_cost, ".2f") + "x",
-    ]
+    round_cost = None if acceptance is None else acceptance / speed_up  # None: no spec-decode counters
+    ceiling = None if round_cost is None else (k + 1) / round_cost
+    ceiling_cell = "-" if ceiling is None else f"{ceiling:.2f}x"
+    return [f"{speed_up:.2f}x", fmt(acceptance, ".2f"), fmt(round_cost, ".2f"), ceiling_cell]
 
 
 def completion_lengths(completions: torch.Tensor, *, eos_token_id: int | None) -> list[int]:
@@ -453,8 +448,21 @@ def main(argv: list[str] | None = None) -> None:
             )
 
     print()
-    headers = ["engine", "batch", "prompts", "no-spec tok/s", "spec tok/s", "speedup", "accept len", "round cost"]
-    print_table([*headers, "ceiling", "== target"], rows)
+    print_table(
+        [
+            "engine",
+            "batch",
+            "prompts",
+            "no-spec tok/s",
+            "spec tok/s",
+            "speedup",
+            "accept len",
+            "round cost",
+            "ceiling",
+            "== target",
+        ],
+        rows,
+    )
     print(
         "\n`round cost`: one draft-and-verify round in plain decoding steps (acceptance / speed-up); `ceiling`: the "
         f"speed-up if every draft token were accepted at that cost (K + 1 = {k + 1} tokens per round)."
