@@ -14,6 +14,12 @@ Throughput is generated tokens (up to and including EOS) per second of wall cloc
 runs after one warm-up run; HF baseline and speculative runs alternate so that load drifts hit both alike.
 Acceptance length is vLLM's ``1 + accepted / drafts``.
 
+``--dtypes`` runs every measurement once per dtype, target and draft alike (default float32 and bfloat16, side by
+side). The dtype sets the cost of verification: on this CPU a float32 matmul over the ``K + 1`` verified tokens
+costs about ``(K + 1) / 2`` single-token ones, a bfloat16 one little more than one (the `round cost` column). In
+bfloat16 the verification forward rounds differently from `generate`'s one-token forwards, so a
+greedy output may leave `generate`'s at a near-tie: `== target` counts the rows that never do.
+
     OMP_NUM_THREADS=2 python scripts/bench_speculative.py            # full run
     OMP_NUM_THREADS=2 python scripts/bench_speculative.py --quick    # smoke run, a few minutes
 """
@@ -78,13 +84,13 @@ def batches(prompts: list[list[int]], batch_size: int) -> list[torch.Tensor]:
     return [torch.tensor(prompts[start : start + batch_size]) for start in range(0, len(prompts), batch_size)]
 
 
-def load_models(assets: BenchAssets):
+def load_models(assets: BenchAssets, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     from hf_spec_cotrain.draft import Eagle3DraftModel
 
-    target = AutoModelForCausalLM.from_pretrained(assets.target_dir, dtype=torch.float32).eval()
-    draft = Eagle3DraftModel.from_pretrained(assets.draft_dir, target=target).eval()
+    target = AutoModelForCausalLM.from_pretrained(assets.target_dir, dtype=dtype).eval()
+    draft = Eagle3DraftModel.from_pretrained(assets.draft_dir, target=target).to(dtype).eval()
     return target, draft
 
 
@@ -226,6 +232,7 @@ class VLLMJob:
     batch_sizes: list[int]
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     num_speculative_tokens: int = 3
+    dtype: str = "float32"
     draft_sample_method: str | None = None
     rejection_sample_method: str | None = None
     seed: int = 0
@@ -281,6 +288,7 @@ def vllm_worker(job_file: str, result_file: str) -> None:
         draft_sample_method=job.draft_sample_method,
         rejection_sample_method=job.rejection_sample_method,
         seed=job.seed,
+        dtype=job.dtype,
         max_model_len=len(job.prompts[0]) + job.max_new_tokens + 8,
     )
     startup_seconds = time.perf_counter() - started
@@ -327,7 +335,67 @@ def vllm_worker(job_file: str, result_file: str) -> None:
     Path(result_file).write_text(json.dumps({"startup_seconds": startup_seconds, "runs": results}))
 
 
+def vllm_rows(
+    assets: BenchAssets,
+    prompts: list[list[int]],
+    hf_greedy: dict[int, list[list[int]]],
+    *,
+    dtype: str,
+    eos: int,
+    threads: int,
+    repeats: int,
+    max_new_tokens: int,
+    batch_sizes: list[int],
+    k: int,
+    num_prompts: int,
+) -> list[list[str]]:
+    """Table rows of vLLM without and with the draft in ``dtype``, each engine in its own subprocess."""
+    jobs = {}
+    for name, draft_dir in (("baseline", None), ("speculative", str(assets.draft_dir))):
+        jobs[name] = run_vllm_job(
+            VLLMJob(
+                target_dir=str(assets.target_dir),
+                draft_dir=draft_dir,
+                prompts=prompts[: max(num_prompts, *batch_sizes)],
+                max_new_tokens=max_new_tokens,
+                repeats=repeats,
+                batch_sizes=batch_sizes,
+                num_speculative_tokens=k,
+                dtype=dtype,
+            ),
+            threads=threads,
+        )
+        print(f"vLLM {dtype} {name} engine done (startup {jobs[name]['startup_seconds']:.0f} s)", flush=True)
+    rows = []
+    for baseline, speculative in zip(jobs["baseline"]["runs"], jobs["speculative"]["runs"]):
+        batch_size = baseline["batch_size"]
+        reference = hf_greedy.get(batch_size) or []
+        produced = [row[: row.index(eos) + 1] if eos in row else row for row in speculative["completions"]]
+        equal = sum(a == b for a, b in zip(reference, produced))
+        rows.append(
+            [
+                "vLLM",
+                dtype,
+                str(batch_size),
+                str(len(speculative["completions"])),
+                fmt(baseline["tokens_per_second"]),
+                fmt(speculative["tokens_per_second"]),
+                *speed_up_cells(
+                    baseline["tokens_per_second"],
+                    speculative["tokens_per_second"],
+                    speculative["acceptance_length"],
+                    k,
+                ),
+                f"{equal}/{min(len(reference), len(produced))}",
+            ]
+        )
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- main
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -340,6 +408,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num_speculative_tokens", type=int, default=3)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=list(DTYPES),
+        default=list(DTYPES),
+        help="dtypes of target and draft, each measured in full (default: all)",
+    )
     parser.add_argument("--skip_vllm", action="store_true", help="HF-native rows only")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS or 2)")
     parser.add_argument("--vllm_worker", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
@@ -359,7 +434,6 @@ def main(argv: list[str] | None = None) -> None:
     k = args.num_speculative_tokens
 
     assets = ensure_bench_assets()
-    target, draft = load_models(assets)
     prompts = load_prompts(assets, max(num_prompts, *args.batch_sizes))
     print(
         f"\ntarget {assets.target_dir} (held-out loss {assets.target_metrics['held_out_loss']:.2f}), "
@@ -367,90 +441,71 @@ def main(argv: list[str] | None = None) -> None:
         f"{threads} torch thread(s), median of {repeats} after a warm-up; {machine_load()}\n",
         flush=True,
     )
-
-    rows, hf_greedy = [], {}
-    for batch_size in args.batch_sizes:
-        # Batch 1 decodes the prompts one after the other; --quick keeps only two of them.
-        count = 2 if args.quick and batch_size == 1 else max(num_prompts, batch_size)
-        count -= count % batch_size
-        groups = batches(prompts[:count], batch_size)
-        timings = time_alternating(
-            {
-                "baseline": hf_baseline_run(target, groups, max_new_tokens=max_new_tokens, temperature=0, seed=0),
-                "speculative": hf_speculative_run(
-                    target,
-                    draft,
-                    groups,
-                    max_new_tokens=max_new_tokens,
-                    k=k,
-                    temperature=0,
-                    draft_sampling=None,
-                    seed=0,
-                ),
-            },
-            repeats=repeats,
-        )
-        baseline, speculative = timings["baseline"], timings["speculative"]
-        hf_greedy[batch_size] = baseline.completions
-        equal = sum(a == b for a, b in zip(baseline.completions, speculative.completions))
-        rows.append(
-            [
-                "HF-native",
-                str(batch_size),
-                str(count),
-                fmt(baseline.tokens_per_second),
-                fmt(speculative.tokens_per_second),
-                *speed_up_cells(
-                    baseline.tokens_per_second, speculative.tokens_per_second, speculative.acceptance_length, k
-                ),
-                f"{equal}/{len(baseline.completions)}",
-            ]
-        )
-        print(f"HF-native batch {batch_size} done ({machine_load()})", flush=True)
-
-    if not args.skip_vllm:
-        jobs = {}
-        for name, draft_dir in (("baseline", None), ("speculative", str(assets.draft_dir))):
-            jobs[name] = run_vllm_job(
-                VLLMJob(
-                    target_dir=str(assets.target_dir),
-                    draft_dir=draft_dir,
-                    prompts=prompts[: max(num_prompts, *args.batch_sizes)],
-                    max_new_tokens=max_new_tokens,
-                    repeats=repeats,
-                    batch_sizes=args.batch_sizes,
-                    num_speculative_tokens=k,
-                ),
-                threads=threads,
+    rows = []
+    for dtype in args.dtypes:
+        target, draft = load_models(assets, DTYPES[dtype])
+        hf_greedy = {}
+        for batch_size in args.batch_sizes:
+            # Batch 1 decodes the prompts one after the other; --quick keeps only two of them.
+            count = 2 if args.quick and batch_size == 1 else max(num_prompts, batch_size)
+            count -= count % batch_size
+            groups = batches(prompts[:count], batch_size)
+            timings = time_alternating(
+                {
+                    "baseline": hf_baseline_run(target, groups, max_new_tokens=max_new_tokens, temperature=0, seed=0),
+                    "speculative": hf_speculative_run(
+                        target,
+                        draft,
+                        groups,
+                        max_new_tokens=max_new_tokens,
+                        k=k,
+                        temperature=0,
+                        draft_sampling=None,
+                        seed=0,
+                    ),
+                },
+                repeats=repeats,
             )
-            print(f"vLLM {name} engine done (startup {jobs[name]['startup_seconds']:.0f} s)", flush=True)
-        eos = target.generation_config.eos_token_id
-        for baseline, speculative in zip(jobs["baseline"]["runs"], jobs["speculative"]["runs"]):
-            batch_size = baseline["batch_size"]
-            reference = hf_greedy.get(batch_size) or []
-            produced = [row[: row.index(eos) + 1] if eos in row else row for row in speculative["completions"]]
-            equal = sum(a == b for a, b in zip(reference, produced))
+            baseline, speculative = timings["baseline"], timings["speculative"]
+            hf_greedy[batch_size] = baseline.completions
+            equal = sum(a == b for a, b in zip(baseline.completions, speculative.completions))
             rows.append(
                 [
-                    "vLLM",
+                    "HF-native",
+                    dtype,
                     str(batch_size),
-                    str(len(speculative["completions"])),
-                    fmt(baseline["tokens_per_second"]),
-                    fmt(speculative["tokens_per_second"]),
+                    str(count),
+                    fmt(baseline.tokens_per_second),
+                    fmt(speculative.tokens_per_second),
                     *speed_up_cells(
-                        baseline["tokens_per_second"],
-                        speculative["tokens_per_second"],
-                        speculative["acceptance_length"],
-                        k,
+                        baseline.tokens_per_second, speculative.tokens_per_second, speculative.acceptance_length, k
                     ),
-                    f"{equal}/{min(len(reference), len(produced))}",
+                    f"{equal}/{len(baseline.completions)}",
                 ]
             )
+            print(f"HF-native {dtype} batch {batch_size} done ({machine_load()})", flush=True)
+        if not args.skip_vllm:
+            eos = target.generation_config.eos_token_id
+            rows += vllm_rows(
+                assets,
+                prompts,
+                hf_greedy,
+                dtype=dtype,
+                eos=eos,
+                threads=threads,
+                repeats=repeats,
+                max_new_tokens=max_new_tokens,
+                batch_sizes=args.batch_sizes,
+                k=k,
+                num_prompts=num_prompts,
+            )
+        del target, draft
 
     print()
     print_table(
         [
             "engine",
+            "dtype",
             "batch",
             "prompts",
             "no-spec tok/s",
@@ -466,7 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "\n`round cost`: one draft-and-verify round in plain decoding steps (acceptance / speed-up); `ceiling`: the "
         f"speed-up if every draft token were accepted at that cost (K + 1 = {k + 1} tokens per round)."
-        f"\n`== target`: rows whose speculative greedy output equals HF `target.generate`'s. {machine_load()}"
+        "\n`== target`: rows whose speculative greedy output equals HF `target.generate`'s in the same dtype. "
+        + machine_load()
     )
 
 

@@ -163,7 +163,9 @@ def speculative_generate(
 
     The output is lossless: greedy decoding returns ``target.generate(do_sample=False)``'s tokens, and sampling
     follows the target's distribution with the same ``temperature``/``top_k``/``top_p`` (HF's warpers, applied
-    in that order).
+    in that order). Token for token in float32; in bfloat16 the ``K + 1``-token verification rounds differently
+    from `generate`'s one-token steps, so a row may take the other token of a near-tie. The draft may run in a
+    lower precision than the target (its inputs are cast to it): that changes only what it proposes.
 
     Args:
         input_ids: ``[B, P]`` prompts, left-padded. ``attention_mask``: ``[B, P]``, 0 on padding (default: none).
