@@ -12,6 +12,10 @@ of the step is set by the policy's depth.
   TTT forward/backward against the policy's forward/backward (an upper bound on the overhead: real steps also
   generate).
 
+Each policy's row also gives the matmul FLOPs of the draft's TTT forward+backward over those of the policy's
+forward+backward on one micro-batch of the benchmark's shape (`torch.utils.flop_counter`): the draft's share of
+the training work, which no implementation of the same draft can lower (only `draft_train_fraction` can).
+
     python scripts/bench_cotrain_overhead.py                     # every size
     python scripts/bench_cotrain_overhead.py --sizes deep --steps 6
     python scripts/bench_cotrain_overhead.py --quick             # tiny only, fewer steps
@@ -27,11 +31,12 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
-from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+from hf_spec_cotrain import Eagle3DraftModel, SpecCoTrainConfig, SpecCoTrainGRPOTrainer, ttt_loss
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
 
 
 SIZES = {
@@ -81,6 +86,34 @@ class StepTimer(TrainerCallback):
         trainer._draft_micro_step = timed
 
 
+PROMPTS = [f"prompt number {i}: " + "x" * 24 for i in range(64)]
+
+
+def training_flops(size: str, *, batch: int, completion_length: int) -> tuple[float, float]:
+    """Matmul FLOPs of one micro-batch's policy forward+backward and of the draft's TTT forward+backward (the
+    trainer's default draft: 1 layer, K = 3, the policy's vocabulary, loss on the completion tokens)."""
+    policy = build_tiny_target("llama", **SIZES[size])
+    draft = Eagle3DraftModel.from_target(policy)
+    prompt_length = len(build_char_tokenizer()(PROMPTS[0]).input_ids)
+    length = prompt_length + completion_length
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, policy.config.vocab_size, (batch, length), generator=generator)
+    loss_mask = torch.arange(length) >= prompt_length
+    with FlopCounterMode(display=False) as policy_counter:
+        policy(input_ids, logits_to_keep=completion_length + 1).logits.sum().backward()
+    aux = torch.randn(batch, length, draft.fc.in_features, generator=generator)
+    teacher = torch.randn(batch, length, draft.config.draft_vocab_size, generator=generator)
+    with FlopCounterMode(display=False) as draft_counter:
+        ttt_loss(
+            draft,
+            aux_hidden_states=aux,
+            input_ids=input_ids,
+            teacher_logits=teacher,
+            loss_mask=loss_mask.expand(batch, -1),
+        ).loss.backward()
+    return policy_counter.get_total_flops(), draft_counter.get_total_flops()
+
+
 def fixed_rollouts(trainer_cls):
     """A trainer subclass whose generation returns pre-sampled completions (identical for both trainers)."""
 
@@ -120,7 +153,7 @@ def run(
         seed=0,
         disable_tqdm=True,
     )
-    prompts = Dataset.from_dict({"prompt": [f"prompt number {i}: " + "x" * 24 for i in range(64)]})
+    prompts = Dataset.from_dict({"prompt": PROMPTS})
     reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
     wrap = fixed_rollouts if fixed else (lambda cls: cls)
     if cotrain:
@@ -170,7 +203,7 @@ def main():
     fractions = args.draft_train_fractions
     columns = "".join(f"{f'co-train x{fraction:g} s (ratio)':>26}" for fraction in fractions)
     header = f"{'policy':<8}{'measure':<15}{'plain GRPO s/step':>19}{columns}"
-    rows = []
+    rows, flop_shares = [], {}
 
     def show(size, kind, plain, cotrain):
         cells = "".join(f"{f'{seconds:.3f} ({seconds / plain:.3f})':>26}" for seconds in cotrain)
@@ -180,6 +213,15 @@ def main():
         for size in sizes:
             policy_dir = str(save_tiny_target(Path(root, size), "llama", **SIZES[size]))
             shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128, bf16=args.bf16)
+            policy_flops, draft_flops = training_flops(
+                size, batch=shapes["batch"], completion_length=shapes["completion_length"]
+            )
+            flop_shares[size] = draft_flops / policy_flops
+            print(
+                f"[bench] {size}: training matmul GFLOP per micro-batch, policy {policy_flops / 1e9:.1f}, draft TTT "
+                f"{draft_flops / 1e9:.1f} ({flop_shares[size]:.2f}x the policy's)",
+                flush=True,
+            )
             for fixed in (False, True):
                 # Interleave the runs so a change of machine load hits all alike.
                 plain = []
@@ -202,6 +244,8 @@ def main():
     print(f"\n{header}")
     for row in rows:
         show(*row)
+    shares = ", ".join(f"{size} {share:.2f}x" for size, share in flop_shares.items())
+    print(f"draft TTT / policy training matmul FLOPs (all rows): {shares}")
     for index, fraction in enumerate(fractions):
         full = [cotrain[index] / plain for _, kind, plain, cotrain in rows if kind == "full step"]
         verdict = "met" if all(ratio <= 1.10 for ratio in full) else "NOT met"

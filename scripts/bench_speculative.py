@@ -4,7 +4,7 @@ On the cached benchmark target and warm-started draft of `bench_assets.py` (buil
 that are real-text prefixes from held-out standard-library files:
 
 * HF-native: `speculative_generate` versus `target.generate(do_sample=False)`, batch 1 and batch 8, same prompts;
-  the outputs must be token-for-token equal (the `== target` column).
+  in float32 the outputs must be token-for-token equal (the `== target` column).
 * vLLM: `VLLMRolloutEngine` without and with the draft (temperature 0). Each engine runs in its own subprocess,
   one after the other: every engine gets a fresh OpenMP state, vLLM's thread binding and (when the venv has it)
   Intel OpenMP preloaded, which vLLM-CPU needs for fast speculative decoding; none of this can be undone in
@@ -17,8 +17,8 @@ Acceptance length is vLLM's ``1 + accepted / drafts``.
 ``--dtypes`` runs every measurement once per dtype, target and draft alike (default float32 and bfloat16, side by
 side). The dtype sets the cost of verification: on this CPU a float32 matmul over the ``K + 1`` verified tokens
 costs about ``(K + 1) / 2`` single-token ones, a bfloat16 one little more than one (the `round cost` column). In
-bfloat16 the verification forward rounds differently from `generate`'s one-token forwards, so a
-greedy output may leave `generate`'s at a near-tie: `== target` counts the rows that never do.
+bfloat16 the verification forward rounds differently from `generate`'s one-token forwards, so a greedy output may
+leave `generate`'s at a near-tie: `== target` counts the rows that never do.
 
     OMP_NUM_THREADS=2 python scripts/bench_speculative.py            # full run
     OMP_NUM_THREADS=2 python scripts/bench_speculative.py --quick    # smoke run, a few minutes
@@ -92,6 +92,22 @@ def load_models(assets: BenchAssets, dtype: torch.dtype = torch.float32):
     target = AutoModelForCausalLM.from_pretrained(assets.target_dir, dtype=dtype).eval()
     draft = Eagle3DraftModel.from_pretrained(assets.draft_dir, target=target).to(dtype).eval()
     return target, draft
+
+
+def matmul_microseconds(
+    in_features: int, out_features: int, rows: int, dtype: torch.dtype, *, calls: int = 1000
+) -> float:
+    """Mean microseconds of one ``[rows, in] x [in, out]`` linear after a warm-up: how a forward's cost grows with
+    its tokens."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    for _ in range(100):
+        torch.nn.functional.linear(x, weight)
+    begin = time.perf_counter()
+    for _ in range(calls):
+        torch.nn.functional.linear(x, weight)
+    return (time.perf_counter() - begin) / calls * 1e6
 
 
 def machine_load() -> str:
@@ -441,6 +457,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{threads} torch thread(s), median of {repeats} after a warm-up; {machine_load()}\n",
         flush=True,
     )
+    config = json.loads((Path(assets.target_dir) / "config.json").read_text())
+    shape = (config["hidden_size"], config["intermediate_size"])
+    row_counts = (1, k + 1)
+    for dtype in args.dtypes:
+        costs = " / ".join(f"{matmul_microseconds(*shape, rows, DTYPES[dtype]):.0f}" for rows in row_counts)
+        print(f"one {shape[0]} x {shape[1]} matmul over {' / '.join(map(str, row_counts))} rows, {dtype}: {costs} us")
     rows = []
     for dtype in args.dtypes:
         target, draft = load_models(assets, DTYPES[dtype])
