@@ -57,6 +57,10 @@ class SpecCoTrainConfig(GRPOConfig):
             from (seed, step, rank, micro-batch). The draft's cost falls in proportion (it is linear in the rows
             it trains on) while it still updates every step; the GRPO group's samples of one prompt are alike,
             so a fraction of them teaches it nearly as much.
+        draft_bf16 (`bool` or `None`, *optional*, defaults to `None`):
+            Run the draft's TTT under bf16 autocast, on float32 weights. `None` follows the policy's `bf16`;
+            `True` also under a float32 policy, whose training is untouched (on GPUs and AVX512-BF16 CPUs the draft
+            then trains about 1.6x faster); `False` keeps the draft in float32 under a bf16 policy.
 
         > Parameters that control speculative rollouts
 
@@ -151,6 +155,13 @@ class SpecCoTrainConfig(GRPOConfig):
             "values cut the co-training cost in proportion."
         },
     )
+    draft_bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train the draft under bf16 autocast (float32 weights). None: as the policy's `bf16`; True: also "
+            "under a float32 policy."
+        },
+    )
     speculative_decoding: bool = field(
         default=True, metadata={"help": "Generate rollouts with the co-trained draft (speculative decoding)."}
     )
@@ -216,6 +227,10 @@ class SpecCoTrainConfig(GRPOConfig):
             raise ValueError(
                 f"`draft_train_fraction`={fraction!r} is not allowed: it must be a number in (0, 1], the fraction of "
                 "each micro-batch's sequences the draft trains on."
+            )
+        if not (self.draft_bf16 is None or isinstance(self.draft_bf16, bool)):
+            raise ValueError(
+                f"`draft_bf16`={self.draft_bf16!r} is not allowed: use None (as the policy), True or False."
             )
         if not self.ttt_step_weight_decay > 0:
             raise ValueError(f"`ttt_step_weight_decay`={self.ttt_step_weight_decay} is not allowed: it must be > 0.")
@@ -309,6 +324,7 @@ class SpecCoTrainConfig(GRPOConfig):
             "fsdp": self.fsdp,
             "use_liger_kernel": self.use_liger_kernel,
             "context_parallel_size > 1": self.context_parallel_size > 1,
+            "draft_bf16=True": self.draft_bf16 is True,
             f"beta={self.beta}": self.beta != 0.0,
             f"loss_type={self.loss_type!r}": self.loss_type != "dapo",
             f"importance_sampling_level={self.importance_sampling_level!r}": self.importance_sampling_level != "token",

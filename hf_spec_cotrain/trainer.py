@@ -272,11 +272,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
 
     def _draft_autocast(self):
-        """The policy's bf16 mixed precision (``bf16=True``) for the draft's TTT too (accelerate autocasts only the
-        policy's forward). The draft keeps float32 weights; fp16 would need a loss scaler of its own, so it stays
-        float32 then."""
-        if self.accelerator.mixed_precision == "bf16":
-            return self.accelerator.autocast()
+        """bf16 autocast for the draft's TTT when `draft_bf16` asks for it, by default when the policy trains in bf16
+        (accelerate autocasts only the policy's forward). The draft keeps float32 weights; under an fp16 policy it
+        stays float32 unless asked, since fp16 would need a loss scaler of its own."""
+        draft_bf16 = self.args.draft_bf16
+        if draft_bf16 is None:
+            draft_bf16 = self.accelerator.mixed_precision == "bf16"
+        if draft_bf16:
+            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def _draft_update(self) -> None:

@@ -14,13 +14,16 @@ of the step is set by the policy's depth.
 
 Each policy's row also gives the matmul FLOPs of the draft's TTT forward+backward over those of the policy's
 forward+backward on one micro-batch of the benchmark's shape (`torch.utils.flop_counter`): the draft's share of
-the training work, which no implementation of the same draft can lower (only `draft_train_fraction` can).
+the training work, which no implementation of the same draft can lower (only `draft_train_fraction` can). And
+each measurement prints the seconds per step in the draft's TTT micro-steps, over the plain step's seconds: the
+overhead timed directly, without the spread of the rest of the step between runs.
 
     python scripts/bench_cotrain_overhead.py                     # every size
     python scripts/bench_cotrain_overhead.py --sizes deep --steps 6
     python scripts/bench_cotrain_overhead.py --quick             # tiny only, fewer steps
     python scripts/bench_cotrain_overhead.py --draft_train_fractions 1 0.5 0.25   # one column per fraction
     python scripts/bench_cotrain_overhead.py --bf16              # both trainers in bf16 mixed precision
+    python scripts/bench_cotrain_overhead.py --draft_bf16        # float32 policies, the draft under bf16 autocast
 """
 
 import argparse
@@ -137,6 +140,7 @@ def run(
     completion_length: int,
     fraction: float = 1.0,
     bf16: bool = False,
+    draft_bf16: bool | None = None,
 ) -> tuple[list[float], list[float]]:
     """Seconds per timed step, and of those the seconds in the draft's TTT micro-steps (zeros for plain GRPO)."""
     common = dict(
@@ -160,7 +164,9 @@ def run(
         trainer = wrap(SpecCoTrainGRPOTrainer)(
             model=policy_dir,
             reward_funcs=reward,
-            args=SpecCoTrainConfig(**common, speculative_decoding=False, draft_train_fraction=fraction),
+            args=SpecCoTrainConfig(
+                **common, speculative_decoding=False, draft_train_fraction=fraction, draft_bf16=draft_bf16
+            ),
             train_dataset=prompts,
             processing_class=build_char_tokenizer(),
         )
@@ -196,6 +202,11 @@ def main():
     parser.add_argument(
         "--bf16", action="store_true", help="bf16 mixed precision in both trainers (the draft's TTT follows it)"
     )
+    parser.add_argument(
+        "--draft_bf16",
+        action="store_true",
+        help="`draft_bf16=True`: the draft's TTT under bf16 autocast, the policies as they are",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = ["tiny"] if args.quick else args.sizes
@@ -230,7 +241,13 @@ def main():
                     plain += run(policy_dir, cotrain=False, fixed=fixed, steps=steps, **shapes)[0]
                     for fraction in fractions:
                         step_times, draft_times = run(
-                            policy_dir, cotrain=True, fixed=fixed, steps=steps, fraction=fraction, **shapes
+                            policy_dir,
+                            cotrain=True,
+                            fixed=fixed,
+                            steps=steps,
+                            fraction=fraction,
+                            draft_bf16=args.draft_bf16 or None,
+                            **shapes,
                         )
                         cotrain[fraction] += step_times
                         draft[fraction] += draft_times
@@ -239,7 +256,14 @@ def main():
                 rows.append((size, kind, statistics.median(plain), medians))
                 print(f"[bench] {header}", flush=True)  # each row as soon as it is measured
                 show(*rows[-1])
-                in_draft = ", ".join(f"x{f:g} {statistics.median(draft[f]):.3f}" for f in fractions)
+                # The draft's seconds over the plain step: the overhead without the run-to-run spread of the rest
+                # of the step (mostly generation time), which moves the step ratios by up to 0.1.
+                plain_seconds = statistics.median(plain)
+                in_draft = ", ".join(
+                    f"x{f:g} {statistics.median(draft[f]):.3f} (+{statistics.median(draft[f]) / plain_seconds:.3f} of "
+                    "the plain step)"
+                    for f in fractions
+                )
                 print(f"[bench] {size} {kind}: draft TTT micro-steps, s/step (median): {in_draft}", flush=True)
     print(f"\n{header}")
     for row in rows:

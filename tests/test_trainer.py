@@ -112,19 +112,34 @@ def test_cotraining_updates_draft_and_logs_metrics(policy_dir, tmp_path):
     assert "Acceptance during RL" in (folder / "README.md").read_text()
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_draft_trains_in_the_policys_mixed_precision(policy_dir, tmp_path, bf16):
-    """`bf16=True`: the draft's TTT runs under the same bf16 autocast as the policy's forward, on float32 weights;
-    rollouts (no gradient) and float32 training run in float32."""
-    trainer = _trainer(policy_dir, _config(tmp_path, bf16=bf16, max_steps=2))
+@pytest.mark.parametrize(
+    ("bf16", "draft_bf16", "draft_dtype"),
+    [
+        (False, None, torch.float32),
+        (True, None, torch.bfloat16),
+        (False, True, torch.bfloat16),
+        (True, False, torch.float32),
+    ],
+)
+def test_draft_trains_in_the_precision_asked_for(policy_dir, tmp_path, bf16, draft_bf16, draft_dtype):
+    """The draft's TTT runs under bf16 autocast as `draft_bf16` says (None: as the policy), on float32 weights; the
+    policy's training forward keeps its own precision, and rollouts (no gradient) run in float32."""
+    trainer = _trainer(policy_dir, _config(tmp_path, bf16=bf16, draft_bf16=draft_bf16, max_steps=2))
     draft_before = _state(trainer.draft)
     dtypes = {True: set(), False: set()}  # by whether the forward records a graph (training)
     record = lambda module, args, output: dtypes[torch.is_grad_enabled()].add(output.dtype)  # noqa: E731
     handle = trainer.draft.midlayer.mlp.down_proj.register_forward_hook(record)
+    policy_dtypes = set()
+    policy_mlp = trainer.model.model.layers[0].mlp.down_proj
+    policy_handle = policy_mlp.register_forward_hook(
+        lambda module, args, output: torch.is_grad_enabled() and policy_dtypes.add(output.dtype)
+    )
     trainer.train()
     handle.remove()
-    assert dtypes[True] == ({torch.bfloat16} if bf16 else {torch.float32})
+    policy_handle.remove()
+    assert dtypes[True] == {draft_dtype}
     assert dtypes[False] == {torch.float32}
+    assert policy_dtypes == {torch.bfloat16 if bf16 else torch.float32}
     assert {parameter.dtype for parameter in trainer.draft.parameters()} == {torch.float32}
     assert not torch.equal(_state(trainer.draft)["fc.weight"], draft_before["fc.weight"])
     losses = [entry["draft/loss"] for entry in trainer.state.log_history if "draft/loss" in entry]
@@ -307,6 +322,9 @@ def test_config_rejects_bad_values(tmp_path):
         _config(tmp_path, draft_train_fraction=0.5, context_parallel_size=2)
     with pytest.raises(ValueError, match="draft_learning_rate"):
         _config(tmp_path, draft_learning_rate=0.0)
+    for value in ("yes", 1):
+        with pytest.raises(ValueError, match=f"draft_bf16`={value!r}"):
+            _config(tmp_path, draft_bf16=value)
     with pytest.raises(ValueError, match="repetition_penalty=1.2"):
         _config(tmp_path, repetition_penalty=1.2)
     with pytest.raises(ValueError, match="SpecCoTrainConfig"):

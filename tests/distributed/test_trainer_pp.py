@@ -114,6 +114,7 @@ BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_gener
         ({"beta": 0.04}, "'beta=0.04'"),
         ({"loss_type": "grpo"}, "\"loss_type='grpo'\""),
         ({"context_parallel_size": 2}, "context_parallel_size"),
+        ({"draft_bf16": True}, "'draft_bf16=True'"),
         ({"steps_per_generation": 2}, "gradient_accumulation_steps not a multiple"),
         ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'"),
     ],
