@@ -155,10 +155,12 @@ class _ForwardCounter:
         self.count += 1
 
 
-def test_no_extra_target_forward_and_policy_bitwise_unchanged(policy_dir, tmp_path):
-    """Same rollouts (plain generation), same seed: the policy ends bitwise equal with co-training on and off."""
+@pytest.mark.parametrize("draft_bf16", [None, True])
+def test_no_extra_target_forward_and_policy_bitwise_unchanged(policy_dir, tmp_path, draft_bf16):
+    """Same rollouts (plain generation), same seed: the policy ends bitwise equal with co-training on and off, also
+    when the draft trains under bf16 autocast."""
     # Each trainer seeds the RNG when it is built: build and train one after the other.
-    spec = _trainer(policy_dir, _config(tmp_path / "on", speculative_decoding=False))
+    spec = _trainer(policy_dir, _config(tmp_path / "on", speculative_decoding=False, draft_bf16=draft_bf16))
     spec_counter = _ForwardCounter(spec.model)
     spec.train()
     plain = GRPOTrainer(
