@@ -159,17 +159,27 @@ def tokenize_for_draft(
     return [ids for ids in sequences if len(ids) >= 2]
 
 
+def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and the boolean ``attention_mask`` of token-id rows."""
+    length = max(map(len, rows))
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for row, ids in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = True
+    return input_ids, attention_mask
+
+
 def _batches(sequences: list[list[int]], batch_size: int, pad_id: int, generator: torch.Generator | None):
     order = torch.randperm(len(sequences), generator=generator) if generator is not None else range(len(sequences))
     for start in range(0, len(sequences), batch_size):
-        rows = [sequences[int(i)] for i in order[start : start + batch_size]]
-        length = max(map(len, rows))
-        input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros(len(rows), length, dtype=torch.bool)
-        for row, ids in enumerate(rows):
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = True
-        yield input_ids, attention_mask
+        yield pad_rows([sequences[int(i)] for i in order[start : start + batch_size]], pad_id)
+
+
+def draft_tap_recorder(target: PreTrainedModel, draft: Eagle3DraftModel) -> TapRecorder:
+    """The recorder `draft_loss_on_batch` reads: the draft's taps, the embeddings and the final hidden state."""
+    aux_ids = draft.validate_target(target.config)
+    return TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True)
 
 
 def draft_loss_on_batch(
@@ -219,11 +229,10 @@ def evaluate_draft(
     step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY,
 ) -> dict[str, float]:
     """Held-out per-step loss and top-1 agreement with the target (count-weighted over all batches)."""
-    aux_ids = draft.validate_target(target.config)
     sums = torch.zeros(3, ttt_steps, dtype=torch.float64)  # loss*count, accuracy*count, count
     was_training = draft.training
     draft.eval()
-    with TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True) as recorder:
+    with draft_tap_recorder(target, draft) as recorder:
         for input_ids, attention_mask in _batches(sequences, batch_size, pad_id, generator=None):
             with torch.no_grad():
                 out = draft_loss_on_batch(
@@ -288,7 +297,6 @@ def train_draft(
             draft_vocab_size=config.draft_vocab_size,
             token_counts=counts,
         )
-    aux_ids = draft.validate_target(target.config)
     draft.bind_target(target)
     draft.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -319,7 +327,7 @@ def train_draft(
     started = time.perf_counter()
     bar = tqdm(total=total_steps, desc="train-draft", disable=not progress, dynamic_ncols=True)
     step = 0
-    with TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True) as recorder:
+    with draft_tap_recorder(target, draft) as recorder:
         for input_ids, attention_mask in _epochs(train_set, config, pad_id):
             out = draft_loss_on_batch(
                 target,

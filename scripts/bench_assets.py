@@ -391,8 +391,7 @@ def draft_step_seconds(
     """Compute-clock seconds of one draft training step (target forward, TTT forward and backward), measured on a
     throwaway draft after one warm-up step."""
     from hf_spec_cotrain.draft import Eagle3DraftModel, count_tokens
-    from hf_spec_cotrain.taps import TapRecorder
-    from hf_spec_cotrain.warmstart import draft_loss_on_batch
+    from hf_spec_cotrain.warmstart import draft_loss_on_batch, draft_tap_recorder, pad_rows
 
     draft = Eagle3DraftModel.from_target(
         target,
@@ -401,15 +400,9 @@ def draft_step_seconds(
         draft_vocab_size=config.draft_vocab_size,
         token_counts=count_tokens(sequences, target.config.vocab_size),
     )
-    rows = sequences[: config.batch_size]
-    width = max(map(len, rows))
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for index, ids in enumerate(rows):
-        input_ids[index, : len(ids)] = torch.tensor(ids)
-        attention_mask[index, : len(ids)] = True
+    input_ids, attention_mask = pad_rows(sequences[: config.batch_size], tokenizer.pad_token_id)
     seconds = []
-    with TapRecorder(target, config.aux_layer_ids, record_embeddings=True, record_final_hidden=True) as recorder:
+    with draft_tap_recorder(target, draft) as recorder:
         for _ in range(num_steps + 1):
             started = compute_clock()
             out = draft_loss_on_batch(

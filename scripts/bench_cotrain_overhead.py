@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import Eagle3DraftModel, SpecCoTrainConfig, SpecCoTrainGRPOTrainer, ttt_loss
-from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
 
 
 SIZES = {
@@ -92,10 +92,10 @@ class StepTimer(TrainerCallback):
 PROMPTS = [f"prompt number {i}: " + "x" * 24 for i in range(64)]
 
 
-def training_flops(size: str, *, batch: int, completion_length: int) -> tuple[float, float]:
+def training_flops(policy_dir: str, *, batch: int, completion_length: int) -> tuple[float, float]:
     """Matmul FLOPs of one micro-batch's policy forward+backward and of the draft's TTT forward+backward (the
     trainer's default draft: 1 layer, K = 3, the policy's vocabulary, loss on the completion tokens)."""
-    policy = build_tiny_target("llama", **SIZES[size])
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir)
     draft = Eagle3DraftModel.from_target(policy)
     prompt_length = len(build_char_tokenizer()(PROMPTS[0]).input_ids)
     length = prompt_length + completion_length
@@ -225,7 +225,7 @@ def main():
             policy_dir = str(save_tiny_target(Path(root, size), "llama", **SIZES[size]))
             shapes = dict(batch=8, completion_length=64 if size == "tiny" else 128, bf16=args.bf16)
             policy_flops, draft_flops = training_flops(
-                size, batch=shapes["batch"], completion_length=shapes["completion_length"]
+                policy_dir, batch=shapes["batch"], completion_length=shapes["completion_length"]
             )
             flop_shares[size] = draft_flops / policy_flops
             print(
@@ -252,17 +252,17 @@ def main():
                         cotrain[fraction] += step_times
                         draft[fraction] += draft_times
                 kind = "training only" if fixed else "full step"
+                plain_seconds = statistics.median(plain)
                 medians = [statistics.median(cotrain[fraction]) for fraction in fractions]
-                rows.append((size, kind, statistics.median(plain), medians))
+                rows.append((size, kind, plain_seconds, medians))
                 print(f"[bench] {header}", flush=True)  # each row as soon as it is measured
                 show(*rows[-1])
                 # The draft's seconds over the plain step: the overhead without the run-to-run spread of the rest
                 # of the step (mostly generation time), which moves the step ratios by up to 0.1.
-                plain_seconds = statistics.median(plain)
+                draft_medians = {f: statistics.median(draft[f]) for f in fractions}
                 in_draft = ", ".join(
-                    f"x{f:g} {statistics.median(draft[f]):.3f} (+{statistics.median(draft[f]) / plain_seconds:.3f} of "
-                    "the plain step)"
-                    for f in fractions
+                    f"x{f:g} {seconds:.3f} (+{seconds / plain_seconds:.3f} of the plain step)"
+                    for f, seconds in draft_medians.items()
                 )
                 print(f"[bench] {size} {kind}: draft TTT micro-steps, s/step (median): {in_draft}", flush=True)
     print(f"\n{header}")

@@ -363,7 +363,6 @@ def vllm_rows(
     max_new_tokens: int,
     batch_sizes: list[int],
     k: int,
-    num_prompts: int,
 ) -> list[list[str]]:
     """Table rows of vLLM without and with the draft in ``dtype``, each engine in its own subprocess."""
     jobs = {}
@@ -372,7 +371,7 @@ def vllm_rows(
             VLLMJob(
                 target_dir=str(assets.target_dir),
                 draft_dir=draft_dir,
-                prompts=prompts[: max(num_prompts, *batch_sizes)],
+                prompts=prompts,
                 max_new_tokens=max_new_tokens,
                 repeats=repeats,
                 batch_sizes=batch_sizes,
@@ -519,7 +518,6 @@ def main(argv: list[str] | None = None) -> None:
                 max_new_tokens=max_new_tokens,
                 batch_sizes=args.batch_sizes,
                 k=k,
-                num_prompts=num_prompts,
             )
         del target, draft
 

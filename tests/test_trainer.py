@@ -130,10 +130,12 @@ def test_draft_trains_in_the_precision_asked_for(policy_dir, tmp_path, bf16, dra
     record = lambda module, args, output: dtypes[torch.is_grad_enabled()].add(output.dtype)  # noqa: E731
     handle = trainer.draft.midlayer.mlp.down_proj.register_forward_hook(record)
     policy_dtypes = set()
-    policy_mlp = trainer.model.model.layers[0].mlp.down_proj
-    policy_handle = policy_mlp.register_forward_hook(
-        lambda module, args, output: torch.is_grad_enabled() and policy_dtypes.add(output.dtype)
-    )
+
+    def record_policy_training(module, args, output):
+        if torch.is_grad_enabled():
+            policy_dtypes.add(output.dtype)
+
+    policy_handle = trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(record_policy_training)
     trainer.train()
     handle.remove()
     policy_handle.remove()
