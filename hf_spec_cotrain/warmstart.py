@@ -203,9 +203,9 @@ def draft_loss_on_batch(
         with torch.no_grad(), recorder.capture():
             recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd
         taps = recorder.pop()
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            head = target.get_output_embeddings().weight[draft.draft_to_target_ids]
-            teacher_logits = taps.final_hidden.float() @ head.float().T
+        teacher_logits = draft.teacher_logits(
+            taps.final_hidden, target.get_output_embeddings().weight, dtype=torch.float32
+        )
         return ttt_loss(
             draft,
             aux_hidden_states=taps.aux_hidden_states,

@@ -79,14 +79,14 @@ class StepTimer(TrainerCallback):
         self.draft_times.append(self._draft)
 
     def time_draft_micro_steps(self, trainer) -> None:
-        micro_step = trainer._draft_micro_step
+        micro_step = trainer.draft_cotrainer.micro_step
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
             micro_step(*args, **kwargs)
             self._draft += time.perf_counter() - started
 
-        trainer._draft_micro_step = timed
+        trainer.draft_cotrainer.micro_step = timed
 
 
 PROMPTS = [f"prompt number {i}: " + "x" * 24 for i in range(64)]

@@ -208,31 +208,31 @@ def test_resume_from_checkpoint_gives_identical_policy_and_draft(policy_dir, tmp
 def test_draft_train_fraction_trains_on_seeded_rows_of_each_micro_batch(policy_dir, tmp_path, monkeypatch):
     """With ``draft_train_fraction=0.5`` every TTT call sees 2 of the micro-batch's 4 rows, exactly the taps the
     full run records for those rows; the choice changes between micro-batches and the policy is unaffected."""
-    import hf_spec_cotrain.trainer as trainer_module
+    import hf_spec_cotrain.training.draft_cotraining as cotraining_module
 
     calls = {"full": [], "half": []}
     run = {"name": None}
-    real_ttt_loss = trainer_module.ttt_loss
+    real_ttt_loss = cotraining_module.ttt_loss
 
     def recording_ttt_loss(draft, **kwargs):
         calls[run["name"]].append({k: kwargs[k].clone() for k in ("aux_hidden_states", "input_embeds", "loss_mask")})
         return real_ttt_loss(draft, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "ttt_loss", recording_ttt_loss)
+    monkeypatch.setattr(cotraining_module, "ttt_loss", recording_ttt_loss)
     chosen_rows, trainers = [], {}
     for name, fraction in (("full", 1.0), ("half", 0.5)):
         run["name"] = name
         config = _config(tmp_path / name, speculative_decoding=False, draft_train_fraction=fraction)
         trainer = trainers[name] = _trainer(policy_dir, config)
         if fraction < 1:
-            real_rows = trainer._draft_rows
+            real_rows = trainer.draft_cotrainer.rows_to_train
 
-            def recording_rows(batch, real_rows=real_rows):
-                rows = real_rows(batch)
+            def recording_rows(batch, *, step, real_rows=real_rows):
+                rows = real_rows(batch, step=step)
                 chosen_rows.append(rows)
                 return rows
 
-            trainer._draft_rows = recording_rows
+            trainer.draft_cotrainer.rows_to_train = recording_rows
         trainer.train()
     assert len(calls["half"]) == len(calls["full"]) == len(chosen_rows) == 3
     assert len({tuple(rows.tolist()) for rows in chosen_rows}) > 1
@@ -246,13 +246,13 @@ def test_draft_train_fraction_trains_on_seeded_rows_of_each_micro_batch(policy_d
 
 def test_nonfinite_draft_loss_skips_the_draft_step_only(policy_dir, tmp_path, monkeypatch):
     trainer = _trainer(policy_dir, _config(tmp_path, max_steps=2))
-    original = trainer._teacher_logits
+    original = trainer.draft_cotrainer.teacher_logits
 
     def poisoned(final_hidden):
         logits = original(final_hidden)
         return logits.fill_(float("nan")) if trainer.state.global_step == 0 else logits
 
-    monkeypatch.setattr(trainer, "_teacher_logits", poisoned)
+    monkeypatch.setattr(trainer.draft_cotrainer, "teacher_logits", poisoned)
     draft_before = _state(trainer.draft)
     policy_before = _state(trainer.model)
     trainer.train()
@@ -270,7 +270,7 @@ def test_failed_speculative_rollout_falls_back_to_plain_generation(policy_dir, t
     def broken(*args, **kwargs):
         raise RuntimeError("draft exploded")
 
-    monkeypatch.setattr("hf_spec_cotrain.trainer.speculative_generate", broken)
+    monkeypatch.setattr("hf_spec_cotrain.training.rollouts.speculative_generate", broken)
     trainer.train()
     assert trainer.state.global_step == 1
     assert any(entry.get("spec/fallback") == 1.0 for entry in trainer.state.log_history)
@@ -358,7 +358,7 @@ def test_lora_policy_taps_adapted_model_and_rollouts_get_merged_weights(policy_d
     torch.testing.assert_close(taps, torch.cat([hidden[a] for a in trainer.aux_layer_ids], -1), rtol=0, atol=0)
 
     # The rollout engine gets the merged weights, under the policy's own HF names.
-    with trainer._policy_weights_for_rollout() as weights:
+    with trainer.rollouts.policy_weights() as weights:
         merged = {name: tensor.clone() for name, tensor in weights}
     reference = copy.deepcopy(trainer.model).merge_and_unload().state_dict()
     assert merged.keys() == reference.keys()

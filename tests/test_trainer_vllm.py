@@ -61,8 +61,8 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         tokenizer = trainer.processing_class
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
         trainer.state.global_step += 1
-        trainer._engine_single_turn(prompt_ids)
-        with trainer._policy_weights_for_rollout() as weights:
+        trainer.rollouts.vllm_turn(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
+        with trainer.rollouts.policy_weights() as weights:
             engine.verify_policy(weights)
         engine.verify_draft(trainer.draft.state_dict().items())
 

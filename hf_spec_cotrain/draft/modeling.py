@@ -331,6 +331,23 @@ class Eagle3DraftModel(PreTrainedModel):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    @torch.no_grad()
+    def teacher_logits(
+        self, final_hidden: torch.Tensor, output_weight: torch.Tensor, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The target's logits over this draft's vocabulary, the TTT's teacher (docs/design.md section 2).
+
+        ``final_hidden`` is the target's final-norm output, ``output_weight`` its lm_head weight (gathered first when
+        FSDP2 shards it); the product is computed in ``dtype`` (default: the weight's), outside any autocast.
+        Unscaled: rollouts apply the temperature to the draft and the target alike.
+        """
+        if hasattr(output_weight, "full_tensor"):
+            output_weight = output_weight.full_tensor()
+        rows = output_weight.detach()[self.draft_to_target_ids.to(output_weight.device)]
+        dtype = rows.dtype if dtype is None else dtype
+        with torch.autocast(final_hidden.device.type, enabled=False):
+            return final_hidden.to(dtype) @ rows.to(dtype).T
+
     # ------------------------------------------------------------------ the four-call interface
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

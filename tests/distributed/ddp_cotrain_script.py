@@ -91,16 +91,16 @@ def main(mode: str, policy_dir: str, out_dir: str) -> None:
     trainer.add_callback(recorder)
 
     local_grads = {}
-    update = trainer._draft_update
+    update = trainer.draft_cotrainer.update
 
-    def recording_update():
+    def recording_update(*, step):
         if not local_grads:
             local_grads.update(
                 {n: p.grad.double().sum().item() for n, p in trainer.draft.named_parameters() if p.grad is not None}
             )
-        update()
+        update(step=step)
 
-    trainer._draft_update = recording_update
+    trainer.draft_cotrainer.update = recording_update
     trainer.train()
     rank = trainer.accelerator.process_index
     Path(out_dir, f"rank{rank}.json").write_text(

@@ -27,10 +27,10 @@ class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
         super().__init__(*args, **kwargs)
         self.rollout_weights = []  # (policy, draft) state at each generation, on the generating rank
 
-    def _local_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_on_this_process(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         policy = self.accelerator.unwrap_model(self.model_wrapped)
         self.rollout_weights.append((_snapshot(policy), _snapshot(self.draft)))
-        generated, _ = super()._local_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+        generated, _ = super()._generate_on_this_process(prompt_ids, images, multimodal_fields, num_generations)
         assert len(generated) == len(prompt_ids)
         return fixed_completions(prompt_ids), None
 

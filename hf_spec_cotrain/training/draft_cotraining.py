@@ -1,0 +1,234 @@
+"""`DraftCoTrainer`: the draft's half of a co-training step.
+
+The trainer hands it the taps of each policy forward; it runs the draft's TTT on them (its own autocast, its own
+gradients), steps the draft's optimizer after the policy's (gradients averaged over the replicas, clipped, the step
+skipped when anything is non-finite), logs the ``draft/*`` metrics and holds the draft's checkpoint state. Nothing
+here touches the policy: no gradient crosses from the draft to the policy or back.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import gather
+from transformers import TrainerCallback, get_scheduler
+from transformers.utils import logging
+
+from ..draft import Eagle3DraftModel
+from ..parallel.comm import all_reduce_gradients
+from ..taps import Taps
+from ..ttt import TTTOutput, ttt_loss
+
+
+logger = logging.get_logger(__name__)
+
+
+def seeded_generator(*key: int, device=None) -> torch.Generator:
+    """A generator seeded from ``key`` (ints hash the same in every process and run), not from the global RNG, so
+    that a resumed run draws what the uninterrupted one would have."""
+    return torch.Generator(device=device).manual_seed(hash(key) % 2**63)
+
+
+@dataclass
+class RecordedTaps:
+    """One policy forward's taps, waiting for the draft's micro-step: padded rows (``attention_mask``), or this
+    rank's zigzag shard of packed documents (``cu_seqlens``, global) under context parallelism."""
+
+    taps: Taps
+    attention_mask: torch.Tensor | None
+    loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+
+class DraftCoTrainer:
+    """The draft's optimizer, scheduler, TTT micro-steps, update and metrics.
+
+    Args:
+        draft: the draft, on the training device in float32 (master weights of a small head).
+        args: the trainer's `SpecCoTrainConfig`.
+        accelerator: the trainer's accelerator (device, mixed precision, gathering of metrics).
+        output_weight: returns the policy's lm_head weight, whose draft-vocabulary rows give the teacher.
+        metrics: the trainer's ``_metrics`` (mode -> name -> list of values), where ``draft/*`` values go.
+        owner_rank: None when every rank holds a replica of the draft (data and context parallelism: gradients are
+            averaged over the world); the rank that alone trains it under pipeline parallelism (its decision and
+            metrics are broadcast to the others).
+    """
+
+    def __init__(self, draft: Eagle3DraftModel, args, accelerator, *, output_weight, metrics, owner_rank=None):
+        self.draft, self.args, self.accelerator = draft, args, accelerator
+        self.output_weight, self.metrics, self.owner_rank = output_weight, metrics, owner_rank
+        self.optimizer = torch.optim.AdamW(
+            draft.trainable_parameters(), lr=args.draft_learning_rate, weight_decay=args.draft_weight_decay
+        )
+        self.scheduler = get_scheduler(
+            args.draft_lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=args.draft_warmup_steps,
+            num_training_steps=max(1, args.max_steps if args.max_steps > 0 else 10**9),
+        )
+        self.skipped_steps = 0
+        self.micro_batch = 0  # micro-batches of this step so far (`rows_to_train` draws per micro-batch)
+        self._recorded: list[RecordedTaps] = []
+        self._micro_metrics: list[torch.Tensor] = []
+        self._has_nonfinite = False
+
+    # ------------------------------------------------------------------ the TTT micro-steps
+
+    def rows_to_train(self, batch_size: int, *, step: int) -> torch.Tensor | None:
+        """The rows of this micro-batch the draft trains on (``draft_train_fraction``; None: all), drawn from (seed,
+        step, rank, micro-batch) so that a resumed run chooses the rows the uninterrupted one did."""
+        count = max(1, round(self.args.draft_train_fraction * batch_size))
+        if count >= batch_size:
+            return None
+        generator = seeded_generator(self.args.seed, step, self.accelerator.process_index, self.micro_batch)
+        return torch.randperm(batch_size, generator=generator)[:count].sort().values
+
+    def record(self, recorded: RecordedTaps) -> None:
+        """Keep one forward's taps until `train_recorded` (after the policy's backward)."""
+        self._recorded.append(recorded)
+
+    def train_recorded(self, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None) -> None:
+        """The draft's TTT on every recorded forward, in order."""
+        while self._recorded:
+            self.micro_step(self._recorded.pop(0), loss_divisor=loss_divisor, cp_group=cp_group)
+
+    def teacher_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The policy's logits over the draft vocabulary (unscaled: rollouts apply the temperature to both)."""
+        return self.draft.teacher_logits(final_hidden, self.output_weight())
+
+    def micro_step(
+        self, recorded: RecordedTaps, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """Backpropagate the draft's TTT loss on one forward's taps (divided by ``loss_divisor``: the micro-steps
+        the draft's gradients accumulate over) into its gradients."""
+        args = self.args
+        cp_group = cp_group if recorded.cu_seqlens is not None else None
+        teacher = self.teacher_logits(recorded.taps.final_hidden)
+        with self.autocast():
+            out = ttt_loss(
+                self.draft,
+                aux_hidden_states=recorded.taps.aux_hidden_states,
+                input_embeds=recorded.taps.embeddings,
+                teacher_logits=teacher,
+                loss_mask=recorded.loss_mask.bool(),
+                attention_mask=None if recorded.attention_mask is None else recorded.attention_mask.bool(),
+                cu_seqlens=recorded.cu_seqlens,
+                ttt_steps=args.ttt_steps,
+                step_weight_decay=args.ttt_step_weight_decay,
+                cp_group=cp_group,
+                gradient_checkpointing=args.ttt_gradient_checkpointing,
+            )
+        total_loss = out.loss.detach()
+        if cp_group is not None:
+            # `out.loss` is this rank's share; the step losses are global, so every rank of the group takes the same
+            # decision below (a backward on some ranks only would hang the ring).
+            weights = args.ttt_step_weight_decay ** torch.arange(args.ttt_steps, device=out.step_losses.device)
+            total_loss = (weights * out.step_losses).sum()
+        if torch.isfinite(total_loss):
+            (out.loss / loss_divisor).backward()
+        self.record_metrics(out, total_loss)
+
+    def record_metrics(self, out: TTTOutput | None, total_loss: torch.Tensor | None = None) -> None:
+        """Keep one micro-step's metrics for the next `update`; a placeholder row where another rank trained the
+        draft (pipeline parallelism: the owner broadcasts its rows)."""
+        if out is None:
+            self._micro_metrics.append(torch.zeros(1 + 3 * self.args.ttt_steps))
+            return
+        total_loss = out.loss.detach() if total_loss is None else total_loss
+        if not torch.isfinite(total_loss):
+            self._has_nonfinite = True
+        parts = [total_loss.float().view(1), out.step_losses.float(), out.step_accuracies.float()]
+        self._micro_metrics.append(torch.cat([*parts, out.step_counts.float()]).to(self.accelerator.device))
+
+    def autocast(self):
+        """bf16 autocast for the draft's TTT when `draft_bf16` asks for it, by default when the policy trains in bf16
+        (accelerate autocasts only the policy's forward). The draft keeps float32 weights; under an fp16 policy it
+        stays float32 unless asked, since fp16 would need a loss scaler of its own."""
+        draft_bf16 = self.args.draft_bf16
+        if draft_bf16 is None:
+            draft_bf16 = self.accelerator.mixed_precision == "bf16"
+        if draft_bf16:
+            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    # ------------------------------------------------------------------ the update
+
+    def update(self, *, step: int) -> None:
+        """One draft optimizer step (after the policy's): average, clip, skip if non-finite, step, log."""
+        params = self.draft.trainable_parameters()
+        nonfinite = torch.tensor(float(self._has_nonfinite), device=self.accelerator.device)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed and self.owner_rank is None:
+            all_reduce_gradients(params, group=None, average=True)
+            dist.all_reduce(nonfinite)
+        has_grads = any(p.grad is not None for p in params)
+        max_norm = self.args.draft_max_grad_norm if self.args.draft_max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if has_grads else torch.zeros(())
+        if self.owner_rank is not None:  # only the owner has gradients (it alone steps); every rank takes its decision
+            decision = torch.stack([nonfinite.float(), grad_norm.float().to(nonfinite.device)])
+            dist.broadcast(decision, src=self.owner_rank)
+            nonfinite, grad_norm = decision[0], decision[1]
+        if nonfinite.item() > 0 or not torch.isfinite(grad_norm):
+            self.skipped_steps += 1
+            logger.warning(
+                f"Step {step}: non-finite draft loss or gradient; the draft update is skipped (the policy is "
+                "unaffected)."
+            )
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._has_nonfinite = False
+        self._log_metrics(grad_norm)
+
+    def _log_metrics(self, grad_norm: torch.Tensor) -> None:
+        if not self._micro_metrics:
+            return
+        k = self.args.ttt_steps
+        local = torch.stack(self._micro_metrics).to(self.accelerator.device)
+        self._micro_metrics.clear()
+        if self.owner_rank is not None:  # the owner's metrics (the other ranks hold placeholders)
+            dist.broadcast(local, src=self.owner_rank)
+            stacked = local
+        else:
+            stacked = gather(local)  # [num_micro * world, 1 + 3K]
+        losses, step_losses = stacked[:, 0], stacked[:, 1 : 1 + k]
+        step_acc, counts = stacked[:, 1 + k : 1 + 2 * k], stacked[:, 1 + 2 * k :]
+        metrics = self.metrics["train"]
+        finite = torch.isfinite(losses)
+        metrics["draft/loss"].append(losses[finite].mean().item() if finite.any() else float("nan"))
+        total = counts.sum(0).clamp(min=1)
+        for d in range(k):
+            metrics[f"draft/loss_step_{d}"].append(((step_losses[:, d] * counts[:, d]).nansum() / total[d]).item())
+            metrics[f"draft/accuracy_step_{d}"].append(((step_acc[:, d] * counts[:, d]).sum() / total[d]).item())
+        metrics["draft/grad_norm"].append(float(grad_norm))
+        metrics["draft/lr"].append(self.scheduler.get_last_lr()[0])
+        metrics["draft/skipped_steps"].append(float(self.skipped_steps))
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state["skipped_steps"]
+
+
+class DraftUpdateCallback(TrainerCallback):
+    """Steps the draft right after the policy's optimizer step, before logging and saving."""
+
+    def __init__(self, cotrainer: DraftCoTrainer):
+        self.cotrainer = cotrainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.cotrainer.micro_batch = 0
+        if state.global_step % args.draft_update_interval == 0:
+            self.cotrainer.update(step=state.global_step)
+        return control

@@ -1,0 +1,274 @@
+"""`SpeculativeRollouts`: the trainer's rollouts with the draft of the current step, and what they measure.
+
+Two engines: the package's HF-native generator (`speculative_generate`, on the policy the trainer is training), or
+a vLLM engine that holds the policy and the draft (`RolloutEngine`: colocated in each process, or one server for
+every process), into which both are pushed once per step. A turn that fails falls back to plain generation (logged
+and counted in ``spec/fallback``); each turn logs the ``spec/*`` metrics.
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather, is_peft_model
+from torch import nn
+from transformers.utils import logging
+from trl.trainer.utils import pad
+
+from ..draft import Eagle3DraftModel
+from ..generation.engine import RolloutEngine
+from ..generation.speculative import speculative_generate
+from .draft_cotraining import seeded_generator
+
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutSampling:
+    """What every rollout turn samples with (the trainer's generation settings)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    eos_token_ids: list[int]
+    pad_token_id: int
+    pad_to_multiple_of: int | None
+
+
+class SpeculativeRollouts:
+    """Speculative rollout turns for one training process.
+
+    Args:
+        draft: the co-trained draft (the very object the trainer updates).
+        args: the trainer's `SpecCoTrainConfig`.
+        accelerator: the trainer's accelerator (device, process index, gathering of metrics).
+        sampling: the trainer's generation settings.
+        metrics: the trainer's ``_metrics`` (mode -> name -> list of values), where ``spec/*`` values go.
+        policy: returns the policy as the accelerator unwraps it (PEFT wrapper kept), whose weights are pushed.
+        engine: the vLLM engine holding the policy and the draft (`build_rollout_engine`); None: HF-native turns.
+    """
+
+    def __init__(
+        self,
+        draft: Eagle3DraftModel,
+        args,
+        accelerator,
+        *,
+        sampling: RolloutSampling,
+        metrics,
+        policy: Callable[[], nn.Module],
+        engine: RolloutEngine | None = None,
+    ):
+        self.draft, self.args, self.accelerator, self.sampling = draft, args, accelerator, sampling
+        self.metrics, self.policy, self.engine = metrics, policy, engine
+        self.acceptance_history: list[tuple[int, float]] = []
+        self.generates_for_all_ranks = False  # pipeline parallelism: one rank generates every rank's rollouts
+        self._engine_synced_step = -1
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        step: int,
+        training: bool,
+        policy_for_generation: Callable[[], AbstractContextManager[nn.Module]],
+        plain: Callable[[], tuple],
+    ) -> tuple[list[list[int]], None]:
+        """Completions of one turn, speculative with this step's draft; ``plain()`` (the trainer's own generation)
+        when the speculative turn fails, so the run goes on and loses nothing."""
+        try:
+            if self.engine is not None:
+                return self.vllm_turn(prompt_ids, step=step, training=training)
+            return self.hf_native_turn(prompt_ids, step=step, training=training, policy=policy_for_generation)
+        except Exception as err:
+            logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")
+            self.metrics["train" if training else "eval"]["spec/fallback"].append(1.0)
+            return plain()
+
+    # ------------------------------------------------------------------ HF-native
+
+    def hf_native_turn(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        step: int,
+        training: bool,
+        policy: Callable[[], AbstractContextManager[nn.Module]],
+    ) -> tuple[list[list[int]], None]:
+        """`speculative_generate` on the policy the trainer holds (``policy()`` unwraps it for generation)."""
+        sampling, device = self.sampling, self.accelerator.device
+
+        def left_padded(rows: list[torch.Tensor], value: int) -> torch.Tensor:
+            return pad(
+                rows, padding_value=value, padding_side="left", pad_to_multiple_of=sampling.pad_to_multiple_of
+            ).to(device)
+
+        padded_ids = left_padded([torch.tensor(ids) for ids in prompt_ids], sampling.pad_token_id)
+        attention_mask = left_padded([torch.ones(len(ids), dtype=torch.long) for ids in prompt_ids], 0)
+        # Rollout randomness from (seed, step, rank) rather than the global RNG: a resumed run samples exactly
+        # the rollouts the uninterrupted run would have.
+        mode_offset = 0 if training else 1
+        generator = seeded_generator(self.args.seed, step, self.accelerator.process_index, mode_offset, device=device)
+        started = time.perf_counter()
+        with policy() as model, torch.no_grad():
+            out = speculative_generate(
+                model,
+                self.draft,
+                padded_ids,
+                attention_mask,
+                max_new_tokens=sampling.max_tokens,
+                num_speculative_tokens=self.args.num_speculative_tokens,
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                draft_sampling=self.args.draft_sampling,
+                eos_token_id=sampling.eos_token_ids,
+                pad_token_id=sampling.pad_token_id,
+                generator=generator,
+            )
+        elapsed = time.perf_counter() - started
+        completion_ids = out.sequences[:, padded_ids.shape[1] :]
+        is_eos = torch.isin(completion_ids, torch.tensor(sampling.eos_token_ids, device=completion_ids.device))
+        # Keep tokens up to and including the first EOS, as TRL does after generate(); only padding follows it.
+        keep = (is_eos.cumsum(1) - is_eos.int()) == 0
+        completions = [row[mask].tolist() for row, mask in zip(completion_ids.cpu(), keep.cpu())]
+        self._log_metrics(out, sum(map(len, completions)), elapsed, step=step, training=training)
+        return completions, None
+
+    # ------------------------------------------------------------------ vLLM
+
+    def vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
+        """Rollouts from the vLLM engine, after pushing this step's policy and draft into it (once per step)."""
+        if step != self._engine_synced_step:
+            self.sync_engine()
+            self._engine_synced_step = step
+        sampling = self.sampling
+        started = time.perf_counter()
+        out = self.engine.generate(
+            prompt_ids,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+        )
+        elapsed = time.perf_counter() - started
+        self._log_metrics(out.spec_decode, sum(map(len, out.completion_ids)), elapsed, step=step, training=training)
+        return out.completion_ids, None
+
+    def sync_engine(self) -> None:
+        """Push the policy and the draft: into this process's engine, or once, from the main process, into the
+        engine every process shares (a server)."""
+        engine = self.engine
+        if not engine.shared_across_processes or self.accelerator.is_main_process:
+            with self.policy_weights() as weights:
+                engine.sync_weights("policy", weights)
+            engine.sync_weights("draft", self.draft.state_dict().items())
+        if engine.shared_across_processes:
+            self.accelerator.wait_for_everyone()
+
+    @contextmanager
+    def policy_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy's weights under HF names, LoRA adapters merged in (and unmerged afterwards)."""
+        model = self.policy()
+        if not is_peft_model(model):
+            yield list(model.state_dict().items())
+            return
+        model.merge_adapter()
+        try:
+            weights = []
+            for name, tensor in model.state_dict().items():
+                if "lora_" in name or "original_module" in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                weights.append((name.replace("modules_to_save.default.", ""), tensor))
+            yield weights
+        finally:
+            model.unmerge_adapter()
+
+    # ------------------------------------------------------------------ metrics
+
+    def _log_metrics(self, counters, num_tokens: int, elapsed: float, *, step: int, training: bool) -> None:
+        """``spec/*`` from one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`), summed over the processes
+        that generated."""
+        mode = "train" if training else "eval"
+        k = self.args.num_speculative_tokens
+        local = torch.tensor(
+            [
+                counters.num_drafts,
+                counters.num_accepted_tokens,
+                num_tokens,
+                elapsed,
+                *[float(a) for a in counters.accepted_per_position][:k],
+            ],
+            device=self.accelerator.device,
+        )
+        total = local if self.generates_for_all_ranks else gather(local.unsqueeze(0)).sum(0)
+        generating_processes = 1 if self.generates_for_all_ranks else self.accelerator.num_processes
+        drafts = total[0].clamp(min=1)
+        metrics = self.metrics[mode]
+        acceptance = 1.0 + (total[1] / drafts).item()
+        metrics["spec/acceptance_length"].append(acceptance)
+        for position in range(k):
+            metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
+        metrics["spec/tokens_per_second"].append((total[2] / (total[3] / generating_processes)).item())
+        if training:
+            self.acceptance_history.append((step, acceptance))
+
+
+def build_rollout_engine(
+    draft: Eagle3DraftModel, args, *, policy: nn.Module, tokenizer, max_num_seqs: int
+) -> RolloutEngine:
+    """The vLLM engine (policy + draft) of speculative vLLM rollouts: colocated in this process, or a client of an
+    ``hf-spec-cotrain vllm-serve`` server (``vllm_mode="server"``)."""
+    if args.vllm_mode == "server":
+        from ..generation.client import VLLMServerClient
+
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        client = VLLMServerClient(base_url, timeout=max(args.vllm_server_timeout, 600.0))
+        client.wait_until_ready(timeout=args.vllm_server_timeout)
+        return client
+    from ..generation.vllm_engine import VLLMRolloutEngine
+
+    policy_folder = Path(policy.config._name_or_path or "")
+    if not (policy_folder / "config.json").exists():  # a model built in memory: vLLM needs a folder
+        policy_folder = Path(args.output_dir) / "rollout_policy_init"
+        policy.save_pretrained(policy_folder)
+        tokenizer.save_pretrained(policy_folder)
+    # The engine starts from a bootstrap draft and gets the real weights at its first sync. Its lm_head must
+    # differ from the policy's, or vLLM would share the two and the draft's own head could never be synced.
+    draft_folder = Path(args.output_dir) / "rollout_draft_init"
+    bootstrap = {**draft.state_dict(), "lm_head.weight": -draft.lm_head.weight.detach()}
+    draft.save_pretrained(draft_folder, state_dict=bootstrap)
+    draft_sample_method, rejection_sample_method = vllm_sampling_methods(draft, args)
+    return VLLMRolloutEngine(
+        policy_folder,
+        draft_model=draft_folder,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_sample_method=draft_sample_method,
+        rejection_sample_method=rejection_sample_method,
+        seed=args.seed,
+        max_model_len=args.vllm_max_model_length,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+    )
+
+
+def vllm_sampling_methods(draft: Eagle3DraftModel, args) -> tuple[str | None, str | None]:
+    """vLLM's draft/rejection sampling methods: probabilistic drafting whenever vLLM accepts it."""
+    if args.vllm_draft_sample_method is not None:
+        return args.vllm_draft_sample_method, args.vllm_rejection_sample_method
+    wanted = args.draft_sampling or "probabilistic"
+    if wanted == "probabilistic" and draft.config.draft_vocab_size < draft.config.vocab_size:
+        logger.warning(
+            "vLLM 0.31 refuses probabilistic drafting with a reduced draft vocabulary (draft_vocab_size="
+            f"{draft.config.draft_vocab_size} < {draft.config.vocab_size}): vLLM rollouts use greedy "
+            "drafting, whose acceptance collapses at temperature ~1. Use the full vocabulary to avoid this."
+        )
+        wanted = "greedy"
+    return wanted, args.vllm_rejection_sample_method or "standard"

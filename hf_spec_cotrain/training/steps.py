@@ -1,0 +1,279 @@
+"""Training-step strategies of context and pipeline parallelism, in place of TRL's ``training_step``.
+
+Both keep rollouts and scoring per rank, as under data parallelism (``_prepare_inputs``), so TRL's sampling, rewards
+and advantages are untouched; they differ in how the ranks then share the forward and backward of the policy and the
+draft. `TrainingStepStrategy` holds what both keep of TRL's step (train mode, inputs, the micro-step counter and
+``step_time``), so neither re-implements it.
+"""
+
+import copy
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from trl.trainer.utils import pad
+
+from ..attention.hf_adapter import zigzag_ring_attention
+from ..parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
+from ..parallel.pipeline import stream_pipeline_weights
+from .draft_cotraining import RecordedTaps
+from .pipeline_step import GRPOBatch, PipelineCoTrainStep
+
+
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
+
+
+def inputs_to(inputs: dict, device) -> dict:
+    """A micro-batch dict with its tensors on `device` (other values as they are)."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+
+
+class TrainingStepStrategy:
+    """TRL's training step around a strategy's forward and backward (`run`); call it as ``training_step``."""
+
+    name = ""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def __call__(self, model, inputs, num_items_in_batch):
+        trainer = self.trainer
+        started = time.perf_counter()
+        model.train()
+        if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
+            trainer.optimizer.train()
+        loss = self.run(model, trainer._prepare_inputs(inputs), num_items_in_batch)
+        # What GRPOTrainer.training_step records around the base step: the micro-step counter and the step time.
+        trainer._step += 1
+        trainer._current_train_step_time += time.perf_counter() - started
+        if trainer._step % trainer.current_gradient_accumulation_steps == 0:
+            trainer._metrics["train"]["step_time"].append(trainer._current_train_step_time)
+            trainer._current_train_step_time = 0.0
+        return loss
+
+    def run(self, model, inputs: dict, num_items_in_batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def members_inputs(self, inputs: dict, group: dist.ProcessGroup | None = None) -> list[dict]:
+        """Every member's micro-batch (on the CPU), in rank order."""
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, inputs_to(inputs, "cpu"), group=group)
+        multimodal = [key for key in MULTIMODAL_KEYS if members[0].get(key) is not None]
+        if multimodal:
+            raise ValueError(f"{self.name} supports text-only policies; this batch has {multimodal}.")
+        return members
+
+    def loss_is_unscaled(self, num_items_in_batch) -> bool:
+        """Whether the step divides the loss by the accumulation steps itself, as `Trainer.training_step` does
+        (TRL's loss is scaled already when the model takes loss kwargs)."""
+        trainer = self.trainer
+        return (
+            not trainer.model_accepts_loss_kwargs or num_items_in_batch is None
+        ) and trainer.compute_loss_func is None
+
+
+class ContextParallelStep(TrainingStepStrategy):
+    """Every member's micro-batch in turn, sharded across the context-parallel group.
+
+    The group takes its members' micro-batches one after the other: for each, every rank runs the policy's GRPO
+    forward and backward on its zigzag shard of the packed rows (ring attention in the policy's layers,
+    `policy_log_probs`), then the draft's TTT on the taps of that forward (`ttt_loss(..., cp_group=...)`). A rank
+    thus holds ``1 / context_parallel_size`` of one micro-batch's activations at a time. Each rank's policy and draft
+    gradients are its positions' share of every member's loss, so the average over the world (DDP for the policy,
+    `DraftCoTrainer.update` for the draft) equals data parallelism's gradient over the same rows.
+    """
+
+    name = "Context parallelism"
+
+    def __init__(self, trainer, group: dist.ProcessGroup):
+        super().__init__(trainer)
+        self.group = group
+        self.rows: PackedRows | None = None  # the member being trained on: read by the trainer's loss hooks
+
+    def run(self, model, inputs, num_items_in_batch):
+        trainer = self.trainer
+        members = self.members_inputs(inputs, self.group)
+        losses = []
+        for index, member in enumerate(members):
+            member = inputs_to(member, trainer.accelerator.device)
+            # DDP synchronises the accumulated gradients in the last member's backward (if this micro-step syncs).
+            sync = nullcontext() if index == len(members) - 1 else trainer.accelerator.no_sync(model)
+            # The backward stays inside: gradient checkpointing recomputes the attention layers there.
+            with sync, zigzag_ring_attention(trainer._policy()):
+                self.rows = self.pack(member)
+                try:
+                    with trainer.compute_loss_context_manager():
+                        loss = trainer.compute_loss(model, member, num_items_in_batch=num_items_in_batch)
+                    if self.loss_is_unscaled(num_items_in_batch):
+                        loss = loss / trainer.current_gradient_accumulation_steps
+                    trainer.accelerator.backward(loss)
+                finally:
+                    self.rows = None
+            losses.append(loss.detach())
+            trainer.draft_cotrainer.train_recorded(loss_divisor=trainer._draft_loss_divisor(), cp_group=self.group)
+        return torch.stack(losses).mean()
+
+    def pack(self, inputs: dict) -> PackedRows:
+        """This rank's zigzag shard of one member's rows, packed as documents."""
+        completion_mask = inputs["completion_mask"]
+        return pack_rows(
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            completion_mask,
+            rank=dist.get_rank(self.group),
+            world_size=dist.get_world_size(self.group),
+            pad_token_id=self.trainer._tokenizer.pad_token_id,
+            completion_loss_mask=completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask,
+        )
+
+    def record_taps(self, taps) -> None:
+        """The draft trains on the taps of this shard of the packed rows."""
+        rows = self.rows
+        self.trainer.draft_cotrainer.record(RecordedTaps(taps, None, rows.loss_mask, rows.cu_seqlens))
+
+    def log_probs(self, model, *, compute_entropy: bool, compute_aux_loss: bool):
+        """The GRPO forward's log-probs (and entropies) of the member being trained on, in TRL's `[B, C]` layout."""
+        if compute_aux_loss:
+            raise ValueError("Context parallelism does not support the MoE auxiliary loss (`router_aux_loss_coef`).")
+        with self.trainer.accelerator.autocast():
+            logps, entropies = policy_log_probs(model, self.rows, group=self.group)
+        return logps, entropies if compute_entropy else None, None
+
+
+class PipelineParallelStep(TrainingStepStrategy):
+    """All ranks' rows as one batch through the pipeline; rank 0 generates every rollout.
+
+    Every rank loaded the full policy; `PipelineCoTrainStep` cuts it in place, so the optimizer (built later by the
+    Trainer) holds this stage's parameters only. Rank 0 first keeps a full copy for rollouts: generation needs the
+    whole model, and the stages' weights are streamed into it before each generation (`sync_rollout_weights`). The
+    draft trains on the last stage; rank 0's draft is its rollout copy.
+
+    In each step the ranks exchange their micro-batches and every stage runs the same batch, the concatenation in rank
+    order, through `PipelineCoTrainStep.step`: the GRPO loss with TRL's whole-batch normaliser at the last stage, and
+    the draft's TTT on the taps there. The gradients are those of one process on all rows, which is what data
+    parallelism's average over the same ranks computes.
+    """
+
+    name = "Pipeline parallelism"
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        args, accelerator = trainer.args, trainer.accelerator
+        policy = trainer._policy()
+        self.last_rank = accelerator.num_processes - 1
+        self.rollout_policy = None  # rank 0's full copy of the policy
+        if accelerator.process_index == 0:
+            self.rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+            # TRL patches `forward` per instance with a closure over the original's: the copy runs its own.
+            self.rollout_policy.__dict__.pop("forward", None)
+            trainer.draft.bind_target(self.rollout_policy)
+        self.stage = PipelineCoTrainStep(
+            policy,
+            draft=trainer.draft if accelerator.process_index == self.last_rank else None,
+            aux_layer_ids=trainer.aux_layer_ids,
+            schedule=args.pipeline_schedule,
+            num_microbatches=args.pipeline_num_microbatches,
+            tap_transport=args.pipeline_tap_transport,
+            temperature=trainer.temperature,
+            epsilon_low=trainer.epsilon_low,
+            epsilon_high=trainer.epsilon_high,
+            ttt_steps=args.ttt_steps,
+            ttt_step_weight_decay=args.ttt_step_weight_decay,
+            ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
+            device=accelerator.device,
+        )
+        # The stages hold different parameters: accelerate must not wrap this one in DDP (it would also try to
+        # average gradients across stages).
+        policy._is_accelerate_prepared = True
+        self._rollout_synced_step = -1
+
+    def run(self, model, inputs, num_items_in_batch):
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        batch = self.batch(self.members_inputs(inputs))
+        accumulation = trainer.current_gradient_accumulation_steps
+        # TRL's dapo normaliser of the whole batch (TRL divides it by the number of processes, whose gradients DDP
+        # averages; here one batch holds every process's rows).
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation / trainer.args.steps_per_generation
+        if self.loss_is_unscaled(num_items_in_batch):
+            normalizer = normalizer * accumulation
+        out = self.stage.step(
+            batch, loss_normalizer=normalizer.to(device), draft_loss_scale=1.0 / trainer._draft_loss_divisor()
+        )
+        loss = torch.zeros((), device=device) if out.policy_loss is None else out.policy_loss
+        dist.broadcast(loss, src=self.last_rank)  # every rank reports the loss of the last stage
+        trainer.draft_cotrainer.record_metrics(out.draft)
+        return loss.detach()
+
+    def batch(self, members: list[dict]) -> GRPOBatch:
+        """The ranks' micro-batches as one `GRPOBatch`: prompts left-padded and completions right-padded to the
+        longest, as one process holding all the rows would pad them."""
+        pad_id = self.trainer._tokenizer.pad_token_id
+
+        def cat(key: str, value: float, side: str) -> torch.Tensor:
+            return pad([row for member in members for row in member[key]], padding_value=value, padding_side=side)
+
+        def optional(key: str, value: float) -> torch.Tensor | None:
+            return cat(key, value, "right") if members[0].get(key) is not None else None
+
+        return GRPOBatch(
+            prompt_ids=cat("prompt_ids", pad_id, "left"),
+            prompt_mask=cat("prompt_mask", 0, "left"),
+            completion_ids=cat("completion_ids", pad_id, "right"),
+            completion_mask=cat("completion_mask", 0, "right"),
+            advantages=torch.cat([member["advantages"] for member in members]),
+            old_per_token_logps=optional("old_per_token_logps", 0.0),
+            tool_mask=optional("tool_mask", 0),
+        )
+
+    def sync_rollout_weights(self) -> None:
+        """Stream every stage's weights into rank 0's full policy, and the last stage's draft into rank 0's draft
+        (every rank calls it)."""
+        is_last = self.trainer.accelerator.process_index == self.last_rank
+        draft = self.trainer.draft
+        policy_weights = stream_pipeline_weights(self.stage.state_dict(), dst=0)
+        draft_weights = stream_pipeline_weights(draft.state_dict() if is_last else {}, dst=0)
+        if self.rollout_policy is None:  # not rank 0: send only
+            for _ in (*policy_weights, *draft_weights):
+                pass
+            return
+        for model, weights in ((self.rollout_policy, policy_weights), (draft, draft_weights)):
+            target = model.state_dict()
+            received = set()
+            with torch.no_grad():
+                for name, tensor in weights:
+                    target[name].copy_(tensor)
+                    received.add(name)
+            if received != set(target):
+                raise RuntimeError(f"The stages sent no weights for {sorted(set(target) - received)}.")
+
+    def generate_for_all_ranks(self, prompt_ids, images, multimodal_fields, num_generations, generate_here):
+        """Rank 0 generates every rank's rollouts with its full policy and the draft, fresh from the stages
+        (``generate_here``: the trainer's generation on this process, run with the full policy)."""
+        trainer = self.trainer
+        if images is not None or multimodal_fields:
+            raise ValueError("Pipeline parallelism supports text-only rollouts.")
+        if trainer.state.global_step != self._rollout_synced_step:
+            self.sync_rollout_weights()
+            self._rollout_synced_step = trainer.state.global_step
+        per_rank = [None] * trainer.accelerator.num_processes
+        dist.all_gather_object(per_rank, prompt_ids)
+        results = [None]
+        if self.rollout_policy is not None:
+            everyone = [ids for ids in per_rank for ids in ids]
+            wrapped, trainer.model_wrapped = trainer.model_wrapped, self.rollout_policy
+            try:
+                completions, logprobs = generate_here(everyone, None, {}, num_generations)
+            finally:
+                trainer.model_wrapped = wrapped
+            bounds = torch.tensor([0, *map(len, per_rank)]).cumsum(0).tolist()
+            results = [
+                [
+                    (completions[start:end], None if logprobs is None else logprobs[start:end])
+                    for start, end in zip(bounds[:-1], bounds[1:])
+                ]
+            ]
+        dist.broadcast_object_list(results, src=0)
+        return results[0][trainer.accelerator.process_index]
