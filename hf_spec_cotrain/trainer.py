@@ -42,8 +42,8 @@ from .draft import Eagle3DraftModel, count_tokens
 from .generation.client import VLLMServerClient
 from .generation.speculative import speculative_generate
 from .hub import push_draft_folder, render_draft_card
+from .parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
 from .parallel.pipeline import GRPOBatch, PipelineCoTrainStep, stream_pipeline_weights
-from .parallel.policy_context_parallel import PackedRows, pack_rows, policy_log_probs
 from .taps import TapRecorder, Taps
 from .ttt import ttt_loss
 

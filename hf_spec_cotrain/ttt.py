@@ -18,7 +18,7 @@ from .attention import branch_attention
 from .attention.masks import document_ids, positions_in_document
 from .draft import Eagle3DraftModel
 from .losses import head_soft_cross_entropy
-from .parallel.context_parallel import ZigzagHalo
+from .parallel.halo import ZigzagHalo
 
 
 DEFAULT_STEP_WEIGHT_DECAY = 0.8

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..parallel.comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
 from ..parallel.zigzag import zigzag_bounds, zigzag_indices
 from .blockwise import (
     BLOCK_SIZE,
@@ -37,7 +38,6 @@ from .blockwise import (
     trunk_backward,
     trunk_forward,
 )
-from .comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
 from .masks import BlockSpan, block_spans
 from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs, check_cu_seqlens

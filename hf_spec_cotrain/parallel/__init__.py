@@ -14,8 +14,9 @@ in transformers and `torch.distributed.pipelining`, which context parallelism do
 import importlib
 from typing import TYPE_CHECKING
 
-from .context_parallel import ZigzagHalo, all_reduce_gradients
-from .policy_context_parallel import PackedRows, pack_rows, policy_log_probs
+from .comm import all_reduce_gradients
+from .halo import ZigzagHalo
+from .packed_rows import PackedRows, pack_rows, policy_log_probs
 from .zigzag import (
     DocumentPadding,
     pad_documents,

@@ -13,12 +13,10 @@ positions), and the ring sends every key's gradient home, so summing the draft's
 context-parallel group (`all_reduce_gradients`, a SUM) gives exactly the single-device gradient.
 """
 
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 
-from ..attention.comm import exchange, group_rank_and_size
+from .comm import exchange, group_rank_and_size
 from .zigzag import zigzag_bounds, zigzag_indices, zigzag_owner
 
 
@@ -161,20 +159,3 @@ class ZigzagHalo:
         halo_targets = torch.nonzero(from_halo).flatten()
         plan = (torch.where(from_halo, 0, source), halo_targets, source[halo_targets] - self.local_length, ~inside)
         return tuple(tensor.to(self._device) for tensor in plan)
-
-
-def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Sum the gradients of replicated parameters over the context-parallel group, in place.
-
-    What the caller must do after `ttt_loss(..., cp_group=group).loss.backward()` on every rank: the result on
-    each rank is then the single-device gradient. (A wrapper that *averages* over the W ranks of the group
-    instead, as DDP does, needs the loss multiplied by W first.) Parameters without a gradient are skipped, and
-    all ranks must skip the same ones.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([grad.flatten() for grad in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
-        grad.copy_(reduced.view_as(grad))
