@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
+from .validation import check_int
 
 
 DRAFT_SAMPLING_CHOICES = ("probabilistic", "greedy")
@@ -209,11 +210,9 @@ class SpecCoTrainConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         for name in ("draft_num_layers", "ttt_steps", "num_speculative_tokens", "draft_update_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}`={value!r} is not allowed: it must be an int >= 1.")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"`draft_vocab_size`={self.draft_vocab_size} is not allowed: it must be >= 1 (or unset).")
+            check_int(getattr(self, name), name)
+        if self.draft_vocab_size is not None:
+            check_int(self.draft_vocab_size, "draft_vocab_size", hint=" (or unset: the whole vocabulary)")
         if self.draft_model_name_or_path is not None:
             conflicting = {"draft_vocab_size": self.draft_vocab_size, "aux_layer_ids": self.aux_layer_ids}
             set_fields = [name for name, value in conflicting.items() if value is not None]

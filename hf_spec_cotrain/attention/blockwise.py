@@ -16,6 +16,7 @@ compute dtype (float32 for half-precision inputs, float64 for float64).
 import torch
 import torch.distributed as dist
 
+from ..validation import check_int
 from .masks import BlockSpan, Visibility, block_mask, block_spans, block_visibility, document_ids
 from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs
@@ -424,8 +425,7 @@ def branch_attention(
     Returns:
         `[B, Hq, L, D]` (`[B, Hq, Lq, D]` with `query_index`) in q's dtype.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    check_int(block_size, "block_size")
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
     if cp_group is not None and dist.get_world_size(cp_group) > 1:

@@ -1,4 +1,4 @@
-"""Context-parallel branch attention on zigzag shards (DESIGN.md section 5): the ring, and an all-gather baseline.
+"""Context-parallel branch attention on zigzag shards (docs/design.md section 5): the ring, and an all-gather baseline.
 
 Every tensor is this rank's zigzag shard (`hf_spec_cotrain.parallel.zigzag`); `cu_seqlens` stays global.
 Only the trunk keys/values ever leave their rank; the branch keys/values of a position live with its query,
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..parallel.comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
 from ..parallel.zigzag import zigzag_bounds, zigzag_indices
+from ..validation import check_cu_seqlens, check_int
 from .blockwise import (
     BLOCK_SIZE,
     _compute_dtype,
@@ -40,7 +41,7 @@ from .blockwise import (
 )
 from .masks import BlockSpan, block_spans
 from .merge import merge_attention_partials
-from .validation import check_branch_attention_inputs, check_cu_seqlens
+from .validation import check_branch_attention_inputs
 
 
 @dataclass(frozen=True)
@@ -330,8 +331,7 @@ def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_siz
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale
     )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    check_int(block_size, "block_size")
     if group is None:
         raise ValueError("group must be a torch.distributed process group (the context-parallel group), got None.")
     _, world_size = group_rank_and_size(group)

@@ -16,6 +16,7 @@ context-parallel group (`all_reduce_gradients`, a SUM) gives exactly the single-
 import torch
 import torch.distributed as dist
 
+from ..validation import check_int
 from .comm import exchange, group_rank_and_size
 from .zigzag import zigzag_bounds, zigzag_indices, zigzag_owner
 
@@ -86,8 +87,7 @@ class ZigzagHalo:
         cu_seqlens: torch.Tensor | None = None,
         device: torch.device | str | None = None,
     ):
-        if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
-            raise ValueError(f"halo must be a non-negative int, got {halo!r}.")
+        check_int(halo, "halo", minimum=0, hint=" (the largest shift that will be asked for)")
         self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
         self.local_length = local_length
@@ -137,8 +137,7 @@ class ZigzagHalo:
 
         One copy of the shard, no concatenation with the halo (teacher logits are large).
         """
-        if isinstance(shift, bool) or not isinstance(shift, int) or not 0 <= shift <= self.halo:
-            raise ValueError(f"shift must be an int in [0, halo={self.halo}], got {shift!r}.")
+        check_int(shift, "shift", minimum=0, below=self.halo + 1, hint=f" (this halo has {self.halo} positions)")
         if shift not in self._gathers:
             self._gathers[shift] = self._gather_plan(shift)
         local_source, halo_targets, halo_source, outside = self._gathers[shift]
