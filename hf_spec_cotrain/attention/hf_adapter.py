@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from .blockwise import branch_attention
+from .api import branch_attention
 
 
 ZIGZAG_RING_ATTENTION = "hf_spec_cotrain_zigzag_ring"

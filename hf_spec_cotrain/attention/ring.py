@@ -130,7 +130,7 @@ def ring_branch_attention_forward(
     layout: ZigzagLayout,
     scale: float,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]`, `lse [B, Hkv, G, L/W]` and the
     trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
     dtype = _compute_dtype(q.dtype)
@@ -234,7 +234,7 @@ def allgather_branch_attention_forward(
     layout: ZigzagLayout,
     scale: float,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """All-gather forward: gather every rank's trunk K/V, then attend to each shard in turn.
 
     Returns the gathered K/V for the backward, which keeps them alive until then, as earlier draft CP
