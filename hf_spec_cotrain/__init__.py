@@ -34,7 +34,7 @@ _MODULE_OF = {
     "DraftTrainingConfig": "warmstart",
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
-    "PipelineCoTrainStep": "parallel.pipeline",
+    "PipelineCoTrainStep": "training.pipeline_step",
     "SpecCoTrainConfig": "config",
     "SpecCoTrainGRPOTrainer": "trainer",
     "SpeculativeOutput": "generation.speculative",
@@ -55,10 +55,10 @@ if TYPE_CHECKING:
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
     from .generation.speculative import SpeculativeOutput, speculative_generate
     from .generation.vllm_engine import VLLMRolloutEngine
-    from .parallel.pipeline import PipelineCoTrainStep
     from .parallel.tap_channel import TapChannel
     from .taps import TapRecorder, default_aux_layer_ids
     from .trainer import SpecCoTrainGRPOTrainer
+    from .training.pipeline_step import PipelineCoTrainStep
     from .ttt import TTTOutput, ttt_loss
     from .warmstart import DraftTrainingConfig, train_draft
 

@@ -102,7 +102,7 @@ class SpecCoTrainConfig(GRPOConfig):
 
         pipeline_parallel_size (`int`, *optional*, defaults to `1`):
             Pipeline stages, one process each (the world size must equal it). The policy is cut into this many
-            stages (`hf_spec_cotrain.parallel.PipelineCoTrainStep`); the last holds the final norm, the lm_head,
+            stages (`hf_spec_cotrain.PipelineCoTrainStep`); the last holds the final norm, the lm_head,
             the GRPO loss and the whole draft, and the other stages send it their taps. Each rank draws
             `per_device_train_batch_size` rows as under data parallelism; the training step runs all ranks' rows
             as one batch through the pipeline. Rank 0 generates every rollout with a full copy of the policy

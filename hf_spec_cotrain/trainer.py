@@ -43,8 +43,9 @@ from .generation.client import VLLMServerClient
 from .generation.speculative import speculative_generate
 from .hub import push_draft_folder, render_draft_card
 from .parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
-from .parallel.pipeline import GRPOBatch, PipelineCoTrainStep, stream_pipeline_weights
+from .parallel.pipeline import stream_pipeline_weights
 from .taps import TapRecorder, Taps
+from .training.pipeline_step import GRPOBatch, PipelineCoTrainStep
 from .ttt import ttt_loss
 
 

@@ -1,14 +1,15 @@
-"""Parallelism: context parallelism on the zigzag layout (DESIGN.md section 5) and pipeline parallelism with
-taps sent to the draft's stage (section 6).
+"""Parallelism, the base layer that `attention/` and the training step build on: context parallelism on the zigzag
+layout (docs/design.md section 5) and the pipeline stages with taps sent to the draft's stage (section 6).
 
-`zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout;
-`ZigzagHalo` shifts the TTT inputs across shards; `all_reduce_gradients` is the reduction the caller applies
-to the draft's gradients after a context-parallel `ttt_loss`. The ring attention itself is
-`hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
+`zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout; `ZigzagHalo`
+shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's rows as zigzag-sharded documents;
+`all_reduce_gradients` is the reduction the caller applies to the draft's gradients after a context-parallel
+`ttt_loss`. The ring attention itself is `hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
 
-`PipelineCoTrainStep` runs the GRPO step of a policy cut into pipeline stages, with the draft co-trained on
-the last stage from taps that travel over a `TapChannel`. Those names are imported lazily: the pipeline pulls
-in transformers and `torch.distributed.pipelining`, which context parallelism does not need.
+`stage_layer_ranges`, `stream_pipeline_weights` and `TapChannel` are the pipeline's pieces (the co-training step
+that uses them is `hf_spec_cotrain.training.pipeline_step.PipelineCoTrainStep`). Those names are imported
+lazily: the pipeline pulls in transformers and `torch.distributed.pipelining`, which context parallelism does
+not need.
 """
 
 import importlib
@@ -31,10 +32,7 @@ from .zigzag import (
 
 __all__ = [
     "DocumentPadding",
-    "GRPOBatch",
     "PackedRows",
-    "PipelineCoTrainStep",
-    "PipelineStepOutput",
     "TapChannel",
     "TapMismatchError",
     "ZigzagHalo",
@@ -53,9 +51,6 @@ __all__ = [
 ]
 
 _MODULE_OF = {
-    "GRPOBatch": "pipeline",
-    "PipelineCoTrainStep": "pipeline",
-    "PipelineStepOutput": "pipeline",
     "TapChannel": "tap_channel",
     "TapMismatchError": "tap_channel",
     "stage_layer_ranges": "pipeline",
@@ -63,13 +58,7 @@ _MODULE_OF = {
 }
 
 if TYPE_CHECKING:
-    from .pipeline import (
-        GRPOBatch,
-        PipelineCoTrainStep,
-        PipelineStepOutput,
-        stage_layer_ranges,
-        stream_pipeline_weights,
-    )
+    from .pipeline import stage_layer_ranges, stream_pipeline_weights
     from .tap_channel import TapChannel, TapMismatchError
 
 
