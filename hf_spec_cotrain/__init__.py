@@ -4,8 +4,9 @@ Public names are imported lazily so that `import hf_spec_cotrain` stays cheap (T
 seconds to import) and the vLLM extra stays optional.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 
 __version__ = "0.1.0.dev0"
@@ -63,13 +64,4 @@ if TYPE_CHECKING:
     from .warmstart import DraftTrainingConfig, train_draft
 
 
-def __getattr__(name: str):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)

@@ -12,9 +12,9 @@ lazily: the pipeline pulls in transformers and `torch.distributed.pipelining`, w
 not need.
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 from .comm import all_reduce_gradients
 from .halo import ZigzagHalo
 from .packed_rows import PackedRows, pack_rows, policy_log_probs
@@ -62,9 +62,4 @@ if TYPE_CHECKING:
     from .tap_channel import TapChannel, TapMismatchError
 
 
-def __getattr__(name: str):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)
