@@ -42,6 +42,7 @@ from .draft import Eagle3DraftModel, count_tokens
 from .generation.client import VLLMServerClient
 from .generation.speculative import speculative_generate
 from .hub import push_draft_folder, render_draft_card
+from .parallel.dims import ParallelDims
 from .parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
 from .parallel.pipeline import stream_pipeline_weights
 from .taps import TapRecorder, Taps
@@ -108,12 +109,20 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self.add_callback(_DraftUpdateCallback(self))
         self.rollout_engine = self._build_rollout_engine() if speculative_vllm else None
         self._engine_synced_step = -1
-        self.context_parallel_group = self._build_context_parallel_group()
+        self.parallel_dims = ParallelDims.from_config(
+            args,
+            world_size=self.accelerator.num_processes,
+            deepspeed=self.is_deepspeed_enabled,
+            fsdp=self.is_fsdp_enabled,
+            peft=is_peft_model(self.accelerator.unwrap_model(self.model)),
+            tools=bool(self.tools),
+        )
+        self.context_parallel_group = self.parallel_dims.build_context_parallel_group()
         self._context_parallel_rows: PackedRows | None = None
         self.pipeline_step: PipelineCoTrainStep | None = None
         self._rollout_policy = None  # under pipeline parallelism: rank 0's full copy of the policy, for rollouts
         self._rollout_synced_step = -1
-        if args.pipeline_parallel_size > 1:
+        if self.parallel_dims.pp_enabled:
             self._build_pipeline()
 
     # ------------------------------------------------------------------ the draft
@@ -349,26 +358,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ context parallelism
 
-    def _build_context_parallel_group(self) -> dist.ProcessGroup | None:
-        """This rank's group of ``context_parallel_size`` consecutive ranks; None without context parallelism."""
-        size = self.args.context_parallel_size
-        if size == 1:
-            return None
-        world_size = self.accelerator.num_processes
-        if world_size % size:
-            raise ValueError(
-                f"`context_parallel_size`={size} must divide the world size ({world_size} processes): launch a "
-                f"multiple of {size} processes, or lower `context_parallel_size`."
-            )
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("`context_parallel_size` > 1 runs on DDP; it cannot be combined with DeepSpeed or FSDP.")
-        rank, group = self.accelerator.process_index, None
-        for start in range(0, world_size, size):  # every rank creates every group, in the same order
-            members = dist.new_group(list(range(start, start + size)))
-            if start <= rank < start + size:
-                group = members
-        return group
-
     def _context_parallel_training_step(self, model, inputs, num_items_in_batch):
         """``training_step`` under context parallelism: every member's micro-batch in turn, sharded across the group.
 
@@ -477,22 +466,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         """
         args = self.args
         world_size, rank = self.accelerator.num_processes, self.accelerator.process_index
-        if world_size != args.pipeline_parallel_size:
-            raise ValueError(
-                f"`pipeline_parallel_size`={args.pipeline_parallel_size} must equal the world size ({world_size} "
-                "processes): launch one process per pipeline stage."
-            )
-        if (
-            self.is_deepspeed_enabled
-            or self.is_fsdp_enabled
-            or is_peft_model(self.accelerator.unwrap_model(self.model))
-        ):
-            raise ValueError("`pipeline_parallel_size` > 1 cuts a plain HF model: not with DeepSpeed, FSDP or PEFT.")
-        if self.tools:
-            raise ValueError(
-                "`pipeline_parallel_size` > 1 does not support tool calls: every stage must take part in each "
-                "rollout turn that rank 0 generates."
-            )
         policy = self._policy()
         if rank == 0:
             self._rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)

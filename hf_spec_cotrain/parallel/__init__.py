@@ -33,6 +33,7 @@ from .zigzag import (
 __all__ = [
     "DocumentPadding",
     "PackedRows",
+    "ParallelDims",
     "TapChannel",
     "TapMismatchError",
     "ZigzagHalo",
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 _MODULE_OF = {
+    "ParallelDims": "dims",
     "TapChannel": "tap_channel",
     "TapMismatchError": "tap_channel",
     "stage_layer_ranges": "pipeline",
@@ -58,6 +60,7 @@ _MODULE_OF = {
 }
 
 if TYPE_CHECKING:
+    from .dims import ParallelDims
     from .pipeline import stage_layer_ranges, stream_pipeline_weights
     from .tap_channel import TapChannel, TapMismatchError
 
