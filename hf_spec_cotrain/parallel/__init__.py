@@ -1,15 +1,18 @@
 """Parallelism, the base layer that `attention/` and the training step build on: context parallelism on the zigzag
 layout (docs/design.md section 5) and the pipeline stages with taps sent to the draft's stage (section 6).
 
+`ParallelDims` holds a run's context- and pipeline-parallel sizes, checked once, and builds the context-parallel
+groups.
+
 `zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout; `ZigzagHalo`
 shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's rows as zigzag-sharded documents;
 `all_reduce_gradients` is the reduction the caller applies to the draft's gradients after a context-parallel
 `ttt_loss`. The ring attention itself is `hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
 
 `stage_layer_ranges`, `stream_pipeline_weights` and `TapChannel` are the pipeline's pieces (the co-training step
-that uses them is `hf_spec_cotrain.training.pipeline_step.PipelineCoTrainStep`). Those names are imported
-lazily: the pipeline pulls in transformers and `torch.distributed.pipelining`, which context parallelism does
-not need.
+that uses them is `hf_spec_cotrain.training.pipeline_step.PipelineCoTrainStep`). Those names, and `ParallelDims`
+(which reads the pipeline's schedules), are imported lazily: the pipeline pulls in transformers and
+`torch.distributed.pipelining`, which context parallelism does not need.
 """
 
 from typing import TYPE_CHECKING
