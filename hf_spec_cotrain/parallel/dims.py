@@ -102,12 +102,8 @@ class ParallelDims:
         """
         if not self.cp_enabled:
             return None
-        world_size, size, rank = (
-            self._known_world_size("build_context_parallel_group"),
-            self.context_parallel_size,
-            dist.get_rank(),
-        )
-        own = None
+        world_size = self._known_world_size("build_context_parallel_group")
+        size, rank, own = self.context_parallel_size, dist.get_rank(), None
         for start in range(0, world_size, size):
             group = dist.new_group(list(range(start, start + size)))
             if start <= rank < start + size:
