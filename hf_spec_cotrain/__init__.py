@@ -4,8 +4,9 @@ Public names are imported lazily so that `import hf_spec_cotrain` stays cheap (T
 seconds to import) and the vLLM extra stays optional.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 
 __version__ = "0.1.0.dev0"
@@ -34,7 +35,7 @@ _MODULE_OF = {
     "DraftTrainingConfig": "warmstart",
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
-    "PipelineCoTrainStep": "parallel.pipeline",
+    "PipelineCoTrainStep": "training.pipeline_step",
     "SpecCoTrainConfig": "config",
     "SpecCoTrainGRPOTrainer": "trainer",
     "SpeculativeOutput": "generation.speculative",
@@ -55,21 +56,12 @@ if TYPE_CHECKING:
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
     from .generation.speculative import SpeculativeOutput, speculative_generate
     from .generation.vllm_engine import VLLMRolloutEngine
-    from .parallel.pipeline import PipelineCoTrainStep
     from .parallel.tap_channel import TapChannel
     from .taps import TapRecorder, default_aux_layer_ids
     from .trainer import SpecCoTrainGRPOTrainer
+    from .training.pipeline_step import PipelineCoTrainStep
     from .ttt import TTTOutput, ttt_loss
     from .warmstart import DraftTrainingConfig, train_draft
 
 
-def __getattr__(name: str):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)

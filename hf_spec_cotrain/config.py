@@ -4,7 +4,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .parallel.dims import ParallelDims
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
+from .validation import check_int
 
 
 DRAFT_SAMPLING_CHOICES = ("probabilistic", "greedy")
@@ -101,7 +103,7 @@ class SpecCoTrainConfig(GRPOConfig):
 
         pipeline_parallel_size (`int`, *optional*, defaults to `1`):
             Pipeline stages, one process each (the world size must equal it). The policy is cut into this many
-            stages (`hf_spec_cotrain.parallel.PipelineCoTrainStep`); the last holds the final norm, the lm_head,
+            stages (`hf_spec_cotrain.PipelineCoTrainStep`); the last holds the final norm, the lm_head,
             the GRPO loss and the whole draft, and the other stages send it their taps. Each rank draws
             `per_device_train_batch_size` rows as under data parallelism; the training step runs all ranks' rows
             as one batch through the pipeline. Rank 0 generates every rollout with a full copy of the policy
@@ -209,11 +211,9 @@ class SpecCoTrainConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         for name in ("draft_num_layers", "ttt_steps", "num_speculative_tokens", "draft_update_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}`={value!r} is not allowed: it must be an int >= 1.")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"`draft_vocab_size`={self.draft_vocab_size} is not allowed: it must be >= 1 (or unset).")
+            check_int(getattr(self, name), name)
+        if self.draft_vocab_size is not None:
+            check_int(self.draft_vocab_size, "draft_vocab_size", hint=" (or unset: the whole vocabulary)")
         if self.draft_model_name_or_path is not None:
             conflicting = {"draft_vocab_size": self.draft_vocab_size, "aux_layer_ids": self.aux_layer_ids}
             set_fields = [name for name, value in conflicting.items() if value is not None]
@@ -257,87 +257,4 @@ class SpecCoTrainConfig(GRPOConfig):
                 f"repetition_penalty={self.repetition_penalty} or min_p={self.min_p}: unset those or set "
                 "`speculative_decoding=False`."
             )
-        self._check_context_parallel()
-        self._check_pipeline_parallel()
-        if self.draft_train_fraction < 1 and (self.context_parallel_size > 1 or self.pipeline_parallel_size > 1):
-            raise ValueError(
-                f"`draft_train_fraction`={self.draft_train_fraction} cannot be combined with `context_parallel_size` > 1 "
-                "or `pipeline_parallel_size` > 1: those steps train the draft on packed or pipelined rows, not on a "
-                "choice of a micro-batch's sequences (set it to 1.0)."
-            )
-
-    def _check_context_parallel(self) -> None:
-        """Options that the context-parallel training step cannot honour (the world size is checked by the trainer,
-        which knows it)."""
-        size = self.context_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"`context_parallel_size`={size!r} is not allowed: it must be an int >= 1.")
-        if size == 1:
-            return
-        incompatible = {
-            "use_liger_kernel": self.use_liger_kernel,  # its GRPO loss reads unsharded hidden states
-            "deepspeed": self.deepspeed,
-            "fsdp": self.fsdp,
-            "pipeline_parallel_size": getattr(self, "pipeline_parallel_size", 1) > 1,
-        }
-        enabled = [name for name, value in incompatible.items() if value]
-        if enabled:
-            raise ValueError(
-                f"`context_parallel_size`={size} cannot be combined with {enabled}: context parallelism runs on DDP "
-                "(or a single process per group) with the plain GRPO loss. Unset them or set `context_parallel_size=1`."
-            )
-
-    def _check_pipeline_parallel(self) -> None:
-        """Options that the pipelined training step cannot honour (the world size is checked by the trainer)."""
-        size = self.pipeline_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"`pipeline_parallel_size`={size!r} is not allowed: it must be an int >= 1.")
-        if size == 1:
-            return
-        schedule = self.pipeline_schedule
-        if not isinstance(schedule, str) or schedule.lower() not in ("1f1b", "gpipe"):
-            raise ValueError(f"`pipeline_schedule`={schedule!r} is not allowed: choose '1F1B' or 'GPipe'.")
-        if self.pipeline_tap_transport not in ("channel", "relay"):
-            raise ValueError(
-                f"`pipeline_tap_transport`={self.pipeline_tap_transport!r} is not allowed: choose 'channel' or 'relay'."
-            )
-        microbatches = self.pipeline_num_microbatches
-        minimum = max(4, size if schedule.lower() == "1f1b" else 1)
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < minimum:
-            raise ValueError(
-                f"`pipeline_num_microbatches`={microbatches!r} is not allowed: it must be an int >= {minimum} "
-                f"(at least 4, and at least `pipeline_parallel_size` under 1F1B)."
-            )
-        rows = self.per_device_train_batch_size * size
-        if rows % microbatches:
-            raise ValueError(
-                f"`pipeline_num_microbatches`={microbatches} does not divide the step's {rows} rows "
-                f"(`per_device_train_batch_size`={self.per_device_train_batch_size} x {size} stages): every "
-                "micro-batch has the same shape."
-            )
-        # The pipelined loss is TRL's dapo loss with beta=0 and token-level ratios (`grpo_loss`), and the stages
-        # cannot compute log-probs outside the pipeline (old log-probs of off-step rollouts, a reference model).
-        generate_every = self.steps_per_generation * self.num_iterations
-        incompatible = {
-            "use_vllm": self.use_vllm,
-            "deepspeed": self.deepspeed,
-            "fsdp": self.fsdp,
-            "use_liger_kernel": self.use_liger_kernel,
-            "context_parallel_size > 1": self.context_parallel_size > 1,
-            "draft_bf16=True": self.draft_bf16 is True,
-            f"beta={self.beta}": self.beta != 0.0,
-            f"loss_type={self.loss_type!r}": self.loss_type != "dapo",
-            f"importance_sampling_level={self.importance_sampling_level!r}": self.importance_sampling_level != "token",
-            f"top_entropy_quantile={self.top_entropy_quantile}": self.top_entropy_quantile < 1.0,
-            "gradient_accumulation_steps not a multiple of steps_per_generation * num_iterations": (
-                self.gradient_accumulation_steps % generate_every != 0
-            ),
-            f"eval_strategy={getattr(self.eval_strategy, 'value', self.eval_strategy)!r}": self.eval_strategy != "no",
-        }
-        enabled = [name for name, value in incompatible.items() if value]
-        if enabled:
-            raise ValueError(
-                f"`pipeline_parallel_size`={size} cannot be combined with {enabled}: the pipelined step computes "
-                "TRL's default GRPO loss (loss_type='dapo', beta=0, token-level ratios) on plain processes, with "
-                "HF-native rollouts on rank 0. Change them or set `pipeline_parallel_size=1`."
-            )
+        ParallelDims.from_config(self)

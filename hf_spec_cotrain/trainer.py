@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.data_utils import apply_chat_template, is_conversational
@@ -72,7 +73,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args, **kwargs)
         finally:
             args.use_vllm = args.use_vllm or speculative_vllm
-        self.parallel_dims = ParallelDims.from_trainer(self)
+        self.parallel_dims = ParallelDims.from_config(
+            args,
+            world_size=self.accelerator.num_processes,
+            deepspeed=self.is_deepspeed_enabled,
+            fsdp=self.is_fsdp_enabled,
+            peft=is_peft_model(self.accelerator.unwrap_model(self.model)),
+            tools=bool(self.tools),
+        )
         self.draft = self._build_draft(draft_model)
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
         self.draft_cotrainer = DraftCoTrainer(
@@ -112,7 +120,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
         self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
         if self.parallel_dims.cp_enabled:
-            self.parallel_step = ContextParallelStep(self, self.parallel_dims.build_cp_group())
+            self.parallel_step = ContextParallelStep(self, self.parallel_dims.build_context_parallel_group())
         elif self.parallel_dims.pp_enabled:
             self.parallel_step = PipelineParallelStep(self)
             self.rollouts.generates_for_all_ranks = True

@@ -1,4 +1,4 @@
-"""Training-time test (TTT): the draft unrolled for K steps over a whole sequence at once (DESIGN.md section 4).
+"""Training-time test (TTT): the draft unrolled for K steps over a whole sequence at once (docs/design.md section 4).
 
 For anchor ``i`` and step ``d`` the draft reads ``embed(x_{i+1+d})`` and its own previous output (``g_i`` at
 step 0), sits at RoPE position ``i + d``, attends to the step-0 keys of anchors ``j <= i`` of its document
@@ -18,7 +18,8 @@ from .attention import branch_attention
 from .attention.masks import document_ids, positions_in_document
 from .draft import Eagle3DraftModel
 from .losses import head_soft_cross_entropy
-from .parallel.context_parallel import ZigzagHalo
+from .parallel.halo import ZigzagHalo
+from .validation import check_int, contiguous_row_spans
 
 
 DEFAULT_STEP_WEIGHT_DECAY = 0.8
@@ -84,8 +85,7 @@ def ttt_loss(
         gradient_checkpointing: recompute each unrolled step's draft layers in the backward instead of keeping
             their activations (the MLP's dominate at long L); costs about one more draft forward.
     """
-    if isinstance(ttt_steps, bool) or not isinstance(ttt_steps, int) or ttt_steps < 1:
-        raise ValueError(f"`ttt_steps`={ttt_steps!r} is not allowed: the draft is unrolled for an int >= 1 steps.")
+    check_int(ttt_steps, "ttt_steps", hint=" (the draft is unrolled at least once)")
     if not step_weight_decay > 0:
         raise ValueError(f"`step_weight_decay`={step_weight_decay!r} is not allowed: it must be > 0.")
     if (input_embeds is None) == (input_ids is None):
@@ -211,20 +211,14 @@ def left_align_rows(
 
     Causal attention then never lets a real token see padding (which now trails every row).
     """
-    keep = attention_mask.to(torch.bool)
-    batch, length = keep.shape
-    columns = torch.arange(length, device=keep.device)
-    lengths = keep.sum(-1)
-    first = torch.where(lengths > 0, keep.int().argmax(-1), 0)
-    contiguous = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
-    if not torch.equal(contiguous, keep):
-        raise ValueError(
-            "`attention_mask` has rows whose real tokens are not contiguous (a hole between two tokens); pack "
-            "such sequences as documents with `cu_seqlens` instead."
-        )
+    first, lengths = contiguous_row_spans(
+        attention_mask, fix="pack such rows of `attention_mask` as documents with `cu_seqlens` instead."
+    )
+    batch, length = attention_mask.shape
+    columns = torch.arange(length, device=attention_mask.device)
     width = max(int(lengths.max()), 1) if batch else 0
     source = (first[:, None] + columns[None, :width]).clamp(max=length - 1)
-    rows = torch.arange(batch, device=keep.device)[:, None]
+    rows = torch.arange(batch, device=attention_mask.device)[:, None]
     shifted = [None if t is None else t[rows, source] for t in tensors]
     return shifted, columns[None, :width] < lengths[:, None]
 

@@ -72,7 +72,7 @@ def _aux_layer_ids(num_layers: int) -> tuple[int, ...]:
 def _batch(args, seed: int):
     import torch
 
-    from hf_spec_cotrain.parallel.pipeline import GRPOBatch
+    from hf_spec_cotrain.training.pipeline_step import GRPOBatch
 
     generator = torch.Generator().manual_seed(seed)
     rows, prompt_length, completion_length = args.rows, args.prompt_length, args.completion_length
@@ -92,7 +92,7 @@ def _build_step(args, mode: str, group):
     import torch.distributed as dist
 
     from hf_spec_cotrain import Eagle3DraftModel
-    from hf_spec_cotrain.parallel.pipeline import PipelineCoTrainStep
+    from hf_spec_cotrain.training.pipeline_step import PipelineCoTrainStep
 
     class TapsOnlyStep(PipelineCoTrainStep):
         """Delivers the taps and computes the teacher, without training the draft: the transport's cost."""

@@ -5,8 +5,9 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_spec_cotrain.parallel.pipeline import grpo_loss, grpo_per_token_logps, stage_layer_ranges
+from hf_spec_cotrain.parallel.pipeline import stage_layer_ranges
 from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+from hf_spec_cotrain.training.pipeline_step import grpo_loss, grpo_per_token_logps
 
 
 @pytest.fixture(scope="module")

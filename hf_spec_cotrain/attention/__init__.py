@@ -1,10 +1,12 @@
-"""Branch attention: causal trunk attention plus position-private branch keys in one softmax (DESIGN.md section 5).
+"""Branch attention: causal trunk attention plus position-private branch keys in one softmax (docs/design.md
+section 5).
 
-`branch_attention` is the blockwise kernel (linear memory in L); `branch_attention_reference` is the
-dense oracle used by tests.
+`branch_attention` runs the blockwise kernel (linear memory in L), or with a context-parallel group the zigzag ring;
+`branch_attention_reference` is the dense oracle used by tests.
 """
 
-from .blockwise import BLOCK_SIZE, branch_attention
+from .api import branch_attention
+from .blockwise import BLOCK_SIZE
 from .reference import branch_attention_reference
 
 

@@ -5,8 +5,8 @@ Layout, following ring-flash-attention: the per-block pieces first (`block_forwa
 `branch_backward` for the position-private branch keys in closed form), then the drivers that
 loop over blocks (`trunk_forward` / `trunk_backward` take global positions and document ids for
 queries and keys separately, so a ring driver can call them on a key shard from another rank),
-then the single-device forward/backward, an autograd `Function` that only delegates, and the
-public `branch_attention`.
+then the single-device forward/backward, an autograd `Function` that only delegates, and a `*_func` wrapper that
+validates. The public `branch_attention` (`api.py`) dispatches to it or to a context-parallel strategy (`ring.py`).
 
 Internal layout: queries are grouped by key/value head, `[B, Hkv, G, L, D]` with `G = Hq // Hkv`,
 so GQA never repeats K/V; log-sum-exps are `[B, Hkv, G, L]`. Everything inside runs in the
@@ -14,16 +14,12 @@ compute dtype (float32 for half-precision inputs, float64 for float64).
 """
 
 import torch
-import torch.distributed as dist
 
+from ..validation import check_int
 from .masks import BlockSpan, Visibility, block_mask, block_spans, block_visibility, document_ids
 from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs
 
-
-CP_MODES = ("ring", "allgather")
-"""Context-parallel strategies: the zigzag ring (trunk K/V travel between neighbours, O(L/W) memory per rank) and
-the all-gather baseline (every rank gathers the whole trunk K/V, O(L) memory per rank)."""
 
 BLOCK_SIZE = 256
 """Default query/key block length. On CPU (one thread, Hq=8, Hkv=2, D=64, L=4K-8K) 256 was ~10% faster than 512
@@ -385,7 +381,7 @@ class BranchAttentionFunction(torch.autograd.Function):
         return *grads, None, None, None, None, None
 
 
-def branch_attention(
+def blockwise_branch_attention_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -393,49 +389,12 @@ def branch_attention(
     branch_v: torch.Tensor | None = None,
     *,
     cu_seqlens: torch.Tensor | None = None,
-    cp_group: dist.ProcessGroup | None = None,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
-    cp_mode: str = "ring",
     query_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each query over its causal trunk and its own branch keys, in one softmax.
-
-    Args:
-        q: `[B, Hq, L, D]` queries (`[B, Hq, Lq, D]` with `query_index`).
-        k, v: `[B, Hkv, L, D]` trunk keys/values, `Hq % Hkv == 0` (grouped-query attention).
-        branch_k, branch_v: `[S, B, Hkv, L, D]` position-private keys/values (query i sees only
-            `branch_*[:, :, :, i]`), or None (same as S == 0); `[S, B, Hkv, Lq, D]` with `query_index`.
-        cu_seqlens: int `[0, ..., L]` boundaries of packed documents along L (then B must be 1);
-            a query sees trunk keys of its own document only.
-        cp_group: context-parallel group. With a world size W > 1 every tensor is this rank's zigzag
-            shard (`hf_spec_cotrain.parallel.zigzag_shard`: each document, of a length divisible by 2W,
-            cut into 2W chunks, rank r holding chunks r and 2W-1-r) while `cu_seqlens` stays global; the
-            result is this rank's shard of the single-device result. Every rank of the group must call.
-        scale: score scale, `D**-0.5` by default.
-        block_size: query/key block length; memory grows as `block_size * L`, never `L * L`.
-        cp_mode: with W > 1, "ring" (trunk K/V travel the ring, O(L/W) memory per rank) or "allgather"
-            (the all-gather-K/V baseline: the gathered K/V, O(L) per rank, are kept for the backward); both
-            are exact.
-        query_index: int64 `[Lq]`, strictly increasing: the positions the queries sit at, when only some
-            positions need an output (the TTT's later steps). Same result as the full call at those rows, for
-            the cost of Lq queries. Not with context parallelism.
-
-    Returns:
-        `[B, Hq, L, D]` (`[B, Hq, Lq, D]` with `query_index`) in q's dtype.
-    """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
-    if cp_mode not in CP_MODES:
-        raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        if query_index is not None:
-            raise ValueError("query_index is not supported with context parallelism (cp_group of W > 1).")
-        from .ring import CONTEXT_PARALLEL_FUNCS  # the ring drivers build on this module's kernels
-
-        return CONTEXT_PARALLEL_FUNCS[cp_mode](
-            q, k, v, branch_k, branch_v, group=cp_group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
-        )
+    """`branch_attention` on one device (the whole sequence here), after validating its inputs."""
+    check_int(block_size, "block_size")
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale, query_index=query_index
     )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from .blockwise import branch_attention
+from .api import branch_attention
 
 
 ZIGZAG_RING_ATTENTION = "hf_spec_cotrain_zigzag_ring"
@@ -57,7 +57,7 @@ def zigzag_ring_attention_forward(
     if cu_seqlens is None:
         raise ValueError(
             f"The `{ZIGZAG_RING_ATTENTION}` attention needs the packed documents: call the model with `cu_seqlens` "
-            "(and `cp_group`), as `hf_spec_cotrain.parallel.policy_context_parallel` does."
+            "(and `cp_group`), as `hf_spec_cotrain.parallel.packed_rows` does."
         )
     unsupported = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux}
     unsupported = {name: value for name, value in unsupported.items() if value is not None}

@@ -1,4 +1,4 @@
-"""Context-parallel branch attention on zigzag shards (DESIGN.md section 5): the ring, and an all-gather baseline.
+"""Context-parallel branch attention on zigzag shards (docs/design.md section 5): the ring, and an all-gather baseline.
 
 Every tensor is this rank's zigzag shard (`hf_spec_cotrain.parallel.zigzag`); `cu_seqlens` stays global.
 Only the trunk keys/values ever leave their rank; the branch keys/values of a position live with its query,
@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..parallel.comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
 from ..parallel.zigzag import zigzag_bounds, zigzag_indices
+from ..validation import check_cu_seqlens, check_int
 from .blockwise import (
     BLOCK_SIZE,
     _compute_dtype,
@@ -37,10 +39,9 @@ from .blockwise import (
     trunk_backward,
     trunk_forward,
 )
-from .comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
 from .masks import BlockSpan, block_spans
 from .merge import merge_attention_partials
-from .validation import check_branch_attention_inputs, check_cu_seqlens
+from .validation import check_branch_attention_inputs
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def ring_branch_attention_forward(
     layout: ZigzagLayout,
     scale: float,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]`, `lse [B, Hkv, G, L/W]` and the
     trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
     dtype = _compute_dtype(q.dtype)
@@ -233,7 +234,7 @@ def allgather_branch_attention_forward(
     layout: ZigzagLayout,
     scale: float,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """All-gather forward: gather every rank's trunk K/V, then attend to each shard in turn.
 
     Returns the gathered K/V for the backward, which keeps them alive until then, as earlier draft CP
@@ -330,8 +331,7 @@ def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_siz
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale
     )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    check_int(block_size, "block_size")
     if group is None:
         raise ValueError("group must be a torch.distributed process group (the context-parallel group), got None.")
     _, world_size = group_rank_and_size(group)

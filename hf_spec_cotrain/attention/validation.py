@@ -4,38 +4,11 @@ import math
 
 import torch
 
+from ..validation import check_cu_seqlens
+
 
 def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.shape)
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor, *, length: int, batch_size: int) -> None:
-    """`cu_seqlens` must be a 1-D integer tensor `[0, ..., length]`, non-decreasing, with batch size 1."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a torch.Tensor of int type, got {type(cu_seqlens).__name__}.")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must have an integer dtype (e.g. torch.int32), got {cu_seqlens.dtype}.")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with at least 2 entries [0, ..., L], got shape {_shape(cu_seqlens)}."
-        )
-    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-    if first != 0 or last != length:
-        raise ValueError(
-            f"cu_seqlens must start at 0 and end at the sequence length L={length}, got first={first} and last={last}."
-        )
-    steps = torch.diff(cu_seqlens.to(torch.int64))
-    if bool((steps < 0).any()):
-        bad = int(torch.nonzero(steps < 0)[0, 0])
-        raise ValueError(
-            f"cu_seqlens must be non-decreasing, got {int(cu_seqlens[bad])} followed by {int(cu_seqlens[bad + 1])} "
-            f"at index {bad}."
-        )
-    if batch_size != 1:
-        raise ValueError(
-            f"Packed documents (cu_seqlens given) need batch size B=1, got B={batch_size}; "
-            "concatenate the batch along L instead."
-        )
 
 
 def check_branch_attention_inputs(

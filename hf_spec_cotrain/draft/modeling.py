@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (DESIGN.md section 3), laid out so vLLM's ``llama_eagle3`` loads it unchanged.
+"""The EAGLE-3 draft head (docs/design.md section 3), laid out so vLLM's ``llama_eagle3`` loads it unchanged.
 
 The draft never owns the token embedding: it reads the target's (bound with [`Eagle3DraftModel.bind_target`])
 without gradient, so the policy's embedding keeps training and the checkpoint stays small. Attention is a
@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.utils import ModelOutput, logging
 
 from ..taps import validate_aux_layer_ids
+from ..validation import check_int
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
 from .vocab import select_draft_vocab, vocab_maps
 
@@ -173,8 +174,7 @@ class Eagle3DraftModel(PreTrainedModel):
         every id when ``draft_vocab_size`` is None) and ``lm_head`` starts from the target's rows at those ids.
         """
         tcfg = target.config.get_text_config()
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"`num_layers`={num_layers!r} is not allowed: a draft has at least 1 decoder layer.")
+        check_int(num_layers, "num_layers", hint=" (the draft's decoder layers)")
         aux_ids = validate_aux_layer_ids(aux_layer_ids, tcfg.num_hidden_layers)
         draft_ids = select_draft_vocab(tcfg.vocab_size, draft_vocab_size, token_counts)
         head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads

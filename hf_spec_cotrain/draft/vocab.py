@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..validation import check_int
+
 
 def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
     """Token frequencies ``[vocab_size]`` (int64) over an iterable of token-id sequences."""
@@ -25,8 +27,7 @@ def select_draft_vocab(
 ) -> torch.Tensor:
     """Target ids of the draft vocabulary, ascending: the ``draft_vocab_size`` most frequent (ties: lower id)."""
     draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
-    if isinstance(draft_vocab_size, bool) or not 1 <= draft_vocab_size <= vocab_size:
-        raise ValueError(f"`draft_vocab_size`={draft_vocab_size} is not allowed: it must be in [1, {vocab_size}].")
+    check_int(draft_vocab_size, "draft_vocab_size", below=vocab_size + 1, hint=" (at most the target's vocabulary)")
     if draft_vocab_size == vocab_size:
         return torch.arange(vocab_size)
     if token_counts is None:

@@ -4,8 +4,9 @@ Names are imported lazily: the vLLM engine module imports vLLM only when an engi
 never imports vLLM.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 
 _MODULE_OF = {
@@ -62,13 +63,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)

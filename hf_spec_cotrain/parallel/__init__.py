@@ -1,21 +1,26 @@
-"""Parallelism: context parallelism on the zigzag layout (DESIGN.md section 5) and pipeline parallelism with
-taps sent to the draft's stage (section 6).
+"""Parallelism, the base layer that `attention/` and the training step build on: context parallelism on the zigzag
+layout (docs/design.md section 5) and the pipeline stages with taps sent to the draft's stage (section 6).
 
-`zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout;
-`ZigzagHalo` shifts the TTT inputs across shards; `all_reduce_gradients` is the reduction the caller applies
-to the draft's gradients after a context-parallel `ttt_loss`. The ring attention itself is
-`hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
+`ParallelDims` holds a run's context- and pipeline-parallel sizes, checked once, and builds the context-parallel
+groups.
 
-`PipelineCoTrainStep` runs the GRPO step of a policy cut into pipeline stages, with the draft co-trained on
-the last stage from taps that travel over a `TapChannel`. Those names are imported lazily: the pipeline pulls
-in transformers and `torch.distributed.pipelining`, which context parallelism does not need.
+`zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout; `ZigzagHalo`
+shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's rows as zigzag-sharded documents;
+`all_reduce_gradients` is the reduction the caller applies to the draft's gradients after a context-parallel
+`ttt_loss`. The ring attention itself is `hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
+
+`stage_layer_ranges`, `stream_pipeline_weights` and `TapChannel` are the pipeline's pieces (the co-training step
+that uses them is `hf_spec_cotrain.training.pipeline_step.PipelineCoTrainStep`). Those names, and `ParallelDims`
+(which reads the pipeline's schedules), are imported lazily: the pipeline pulls in transformers and
+`torch.distributed.pipelining`, which context parallelism does not need.
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
-from .context_parallel import ZigzagHalo, all_reduce_gradients
-from .policy_context_parallel import PackedRows, pack_rows, policy_log_probs
+from .._lazy import lazy_exports
+from .comm import all_reduce_gradients
+from .halo import ZigzagHalo
+from .packed_rows import PackedRows, pack_rows, policy_log_probs
 from .zigzag import (
     DocumentPadding,
     pad_documents,
@@ -30,10 +35,8 @@ from .zigzag import (
 
 __all__ = [
     "DocumentPadding",
-    "GRPOBatch",
     "PackedRows",
-    "PipelineCoTrainStep",
-    "PipelineStepOutput",
+    "ParallelDims",
     "TapChannel",
     "TapMismatchError",
     "ZigzagHalo",
@@ -52,9 +55,7 @@ __all__ = [
 ]
 
 _MODULE_OF = {
-    "GRPOBatch": "pipeline",
-    "PipelineCoTrainStep": "pipeline",
-    "PipelineStepOutput": "pipeline",
+    "ParallelDims": "dims",
     "TapChannel": "tap_channel",
     "TapMismatchError": "tap_channel",
     "stage_layer_ranges": "pipeline",
@@ -62,19 +63,9 @@ _MODULE_OF = {
 }
 
 if TYPE_CHECKING:
-    from .pipeline import (
-        GRPOBatch,
-        PipelineCoTrainStep,
-        PipelineStepOutput,
-        stage_layer_ranges,
-        stream_pipeline_weights,
-    )
+    from .dims import ParallelDims
+    from .pipeline import stage_layer_ranges, stream_pipeline_weights
     from .tap_channel import TapChannel, TapMismatchError
 
 
-def __getattr__(name: str):
-    if name in _MODULE_OF:
-        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)

@@ -1,4 +1,4 @@
-"""`TapChannel`: taps travel from the pipeline stages that own them to the draft's stage (DESIGN.md section 6).
+"""`TapChannel`: taps travel from the pipeline stages that own them to the draft's stage (docs/design.md section 6).
 
 The draft lives whole on one stage (the last). Stages that own a tapped decoder layer (or the embedding) send
 each tap the moment it exists, with non-blocking point-to-point ops, over process groups of their own: never the

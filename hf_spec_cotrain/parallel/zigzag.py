@@ -1,4 +1,4 @@
-"""The zigzag layout of context parallelism (DESIGN.md section 5), as pure index arithmetic.
+"""The zigzag layout of context parallelism (docs/design.md section 5), as pure index arithmetic.
 
 Each packed document of length `n` (divisible by `2W`) is cut into `2W` chunks of `c = n / (2W)`;
 rank `r` holds chunks `r` and `2W-1-r` of every document, in that order, documents concatenated in
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.validation import check_cu_seqlens
+from ..validation import check_cu_seqlens, check_int
 
 
 def _last_boundary(cu_seqlens) -> int:
@@ -26,10 +26,8 @@ def _last_boundary(cu_seqlens) -> int:
 
 
 def _check_rank(rank: int, world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}.")
+    check_int(world_size, "world_size")
+    check_int(rank, "rank", minimum=0, below=world_size)
 
 
 def zigzag_bounds(
@@ -39,11 +37,9 @@ def zigzag_bounds(
 
     Every document length must be a multiple of `2 * world_size`; `pad_documents` pads them.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int(world_size, "world_size")
     if cu_seqlens is None:
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"Without cu_seqlens, length must be a non-negative int, got {length!r}.")
+        check_int(length, "length", minimum=0, hint=" (the sequence length, needed without cu_seqlens)")
         bounds = torch.tensor([0, length], dtype=torch.int64)
     else:
         check_cu_seqlens(cu_seqlens, length=_last_boundary(cu_seqlens) if length is None else length, batch_size=1)
@@ -115,9 +111,7 @@ def zigzag_owner(
 def _check_dim(x: torch.Tensor, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"Expected a torch.Tensor, got {type(x).__name__}.")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for a {x.dim()}-D tensor, got {dim!r}.")
-    return dim % x.dim()
+    return check_int(dim, "dim", minimum=-x.dim(), below=x.dim(), hint=f" for a {x.dim()}-D tensor") % x.dim()
 
 
 def zigzag_shard(
@@ -194,8 +188,7 @@ class DocumentPadding:
 
 def pad_documents(cu_seqlens: torch.Tensor, *, world_size: int) -> DocumentPadding:
     """Pad every packed document to the next multiple of `2 * world_size` (the zigzag layout's requirement)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int(world_size, "world_size")
     check_cu_seqlens(cu_seqlens, length=_last_boundary(cu_seqlens), batch_size=1)
     bounds = cu_seqlens.to(torch.int64)
     lengths = torch.diff(bounds)

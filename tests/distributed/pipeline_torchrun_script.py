@@ -11,7 +11,8 @@ import torch.distributed as dist
 from pipeline_cases import AUX_LAYER_IDS, TEMPERATURE, build_draft, build_policy, make_batch
 from safetensors.torch import save_file
 
-from hf_spec_cotrain.parallel.pipeline import PipelineCoTrainStep, stream_pipeline_weights
+from hf_spec_cotrain.parallel.pipeline import stream_pipeline_weights
+from hf_spec_cotrain.training.pipeline_step import PipelineCoTrainStep
 
 
 NUM_STEPS = 3

@@ -24,9 +24,10 @@ from pipeline_cases import (
 )
 from process_pool import subgroup
 
-from hf_spec_cotrain.parallel.pipeline import PipelineCoTrainStep, stream_pipeline_weights
+from hf_spec_cotrain.parallel.pipeline import stream_pipeline_weights
 from hf_spec_cotrain.parallel.tap_channel import TapChannel, TapMismatchError
 from hf_spec_cotrain.testing import build_tiny_target
+from hf_spec_cotrain.training.pipeline_step import PipelineCoTrainStep
 
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from hf_spec_cotrain.attention.hf_adapter import zigzag_ring_attention
 from hf_spec_cotrain.parallel import all_reduce_gradients
-from hf_spec_cotrain.parallel.policy_context_parallel import IGNORE_INDEX, pack_rows, policy_log_probs
+from hf_spec_cotrain.parallel.packed_rows import IGNORE_INDEX, pack_rows, policy_log_probs
 from hf_spec_cotrain.testing import build_tiny_target
 
 

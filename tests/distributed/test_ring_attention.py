@@ -10,11 +10,11 @@ import torch.distributed as dist
 from process_pool import subgroup
 
 from hf_spec_cotrain.attention import blockwise, branch_attention, branch_attention_reference
-from hf_spec_cotrain.attention.blockwise import CP_MODES
-from hf_spec_cotrain.attention.comm import RingComm
+from hf_spec_cotrain.attention.api import CP_MODES
 from hf_spec_cotrain.attention.masks import block_spans
 from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS
 from hf_spec_cotrain.parallel import zigzag_indices, zigzag_shard
+from hf_spec_cotrain.parallel.comm import RingComm
 
 
 POOL_WORLD_SIZE = 4

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..validation import contiguous_row_spans
 from .zigzag import pad_documents, zigzag_position_ids, zigzag_shard
 
 
@@ -110,16 +111,12 @@ def pack_rows(
     completion_length = completion_ids.shape[1]
     device = prompt_ids.device
     real = torch.cat([prompt_mask, completion_mask], dim=1).to(torch.bool)
+    _, lengths = contiguous_row_spans(
+        real,
+        fix="context parallelism packs each row's real tokens as one document and needs a left-padded prompt "
+        "followed by a right-padded completion.",
+    )
     columns = torch.arange(prompt_length + completion_length, device=device)
-    lengths = real.sum(1)
-    first = torch.where(lengths > 0, real.int().argmax(1), 0)
-    contiguous = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
-    if not torch.equal(contiguous, real):
-        raise ValueError(
-            "Some rows have real tokens that are not contiguous (a masked token between two real ones); context "
-            "parallelism packs each row's real tokens as one document and needs a left-padded prompt followed by a "
-            "right-padded completion."
-        )
     prompt_lengths = prompt_mask.to(torch.bool).sum(1)
     if bool((prompt_lengths == 0).any()):
         raise ValueError(

@@ -13,12 +13,11 @@ positions), and the ring sends every key's gradient home, so summing the draft's
 context-parallel group (`all_reduce_gradients`, a SUM) gives exactly the single-device gradient.
 """
 
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 
-from ..attention.comm import exchange, group_rank_and_size
+from ..validation import check_int
+from .comm import exchange, group_rank_and_size
 from .zigzag import zigzag_bounds, zigzag_indices, zigzag_owner
 
 
@@ -88,8 +87,7 @@ class ZigzagHalo:
         cu_seqlens: torch.Tensor | None = None,
         device: torch.device | str | None = None,
     ):
-        if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
-            raise ValueError(f"halo must be a non-negative int, got {halo!r}.")
+        check_int(halo, "halo", minimum=0, hint=" (the largest shift that will be asked for)")
         self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
         self.local_length = local_length
@@ -139,8 +137,7 @@ class ZigzagHalo:
 
         One copy of the shard, no concatenation with the halo (teacher logits are large).
         """
-        if isinstance(shift, bool) or not isinstance(shift, int) or not 0 <= shift <= self.halo:
-            raise ValueError(f"shift must be an int in [0, halo={self.halo}], got {shift!r}.")
+        check_int(shift, "shift", minimum=0, below=self.halo + 1, hint=f" (this halo has {self.halo} positions)")
         if shift not in self._gathers:
             self._gathers[shift] = self._gather_plan(shift)
         local_source, halo_targets, halo_source, outside = self._gathers[shift]
@@ -161,20 +158,3 @@ class ZigzagHalo:
         halo_targets = torch.nonzero(from_halo).flatten()
         plan = (torch.where(from_halo, 0, source), halo_targets, source[halo_targets] - self.local_length, ~inside)
         return tuple(tensor.to(self._device) for tensor in plan)
-
-
-def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Sum the gradients of replicated parameters over the context-parallel group, in place.
-
-    What the caller must do after `ttt_loss(..., cp_group=group).loss.backward()` on every rank: the result on
-    each rank is then the single-device gradient. (A wrapper that *averages* over the W ranks of the group
-    instead, as DDP does, needs the loss multiplied by W first.) Parameters without a gradient are skipped, and
-    all ranks must skip the same ones.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([grad.flatten() for grad in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
-        grad.copy_(reduced.view_as(grad))

@@ -1,11 +1,11 @@
-"""Point-to-point and collective helpers of context parallelism, on any backend (gloo on CPU, NCCL on GPU).
+"""Point-to-point and collective helpers of the parallelisms, on any backend (gloo on CPU, NCCL on GPU).
 
 `RingComm` posts the ring's sends and receives asynchronously so that the next key/value shard is in flight
 while the current one is computed on. It enforces its protocol, `send_recv` (once or more) -> `commit` ->
 `wait`, because a receive buffer read before `wait` holds garbage and an unmatched send hangs every rank.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -111,3 +111,25 @@ def reduce_scatter_stacked(stacked: torch.Tensor, group: dist.ProcessGroup) -> t
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(output, stacked.contiguous().flatten(0, 1), group=group)
     return output
+
+
+def all_reduce_gradients(
+    parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None, *, average: bool = False
+) -> None:
+    """Sum (or with `average`, average) the gradients of replicated parameters over `group`, in place, in one
+    collective.
+
+    After `ttt_loss(..., cp_group=group).loss.backward()` on every rank, the SUM over the context-parallel group is
+    the single-device gradient (each rank's loss is its share of the global loss). Over data-parallel replicas,
+    each holding its own batch's gradient, `average=True` gives the gradient of the mean loss, as DDP does.
+    Parameters without a gradient are skipped, and all ranks must skip the same ones. `group` None: the world.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([grad.flatten() for grad in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        flat.div_(dist.get_world_size(group))
+    for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(reduced.view_as(grad))

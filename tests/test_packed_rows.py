@@ -9,7 +9,7 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.attention.hf_adapter import ZIGZAG_RING_ATTENTION, zigzag_ring_attention
 from hf_spec_cotrain.parallel import pad_documents, zigzag_unshard
-from hf_spec_cotrain.parallel.policy_context_parallel import (
+from hf_spec_cotrain.parallel.packed_rows import (
     IGNORE_INDEX,
     completion_values,
     pack_rows,

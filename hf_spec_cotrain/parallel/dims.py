@@ -1,0 +1,194 @@
+"""`ParallelDims`: how a run splits its ranks, validated in one place and passed around as one object.
+
+Context parallelism shards each sequence over groups of consecutive ranks; pipeline parallelism cuts the policy
+into one stage per rank of the world; what is left over is data parallelism. The two are exclusive. The sizes are
+checked against each other and, once the world size is known, against it; `from_config` also checks the options
+of a run that those parallelisms cannot honour, so that the config (at construction) and the trainer (at start,
+with the facts only it knows) reject the same things with the same messages.
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..validation import check_int
+from .pipeline import MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The context- and pipeline-parallel sizes of a run, and its world size when known (None: not yet).
+
+    Attributes:
+        context_parallel_size: ranks per context-parallel group (consecutive ranks); must divide the world size.
+        pipeline_parallel_size: pipeline stages, one rank each; must equal the world size.
+        world_size: the number of processes; None skips the checks against it (a config on its own).
+    """
+
+    context_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    world_size: int | None = None
+
+    def __post_init__(self):
+        cp = check_int(self.context_parallel_size, "context_parallel_size")
+        pp = check_int(self.pipeline_parallel_size, "pipeline_parallel_size")
+        if cp > 1 and pp > 1:
+            raise ValueError(
+                f"`context_parallel_size`={cp} cannot be combined with `pipeline_parallel_size`={pp}: a run either "
+                "shards its sequences or cuts its policy into stages. Set one of them to 1."
+            )
+        if self.world_size is None:
+            return
+        world_size = check_int(self.world_size, "world_size")
+        if world_size % cp:
+            raise ValueError(
+                f"`context_parallel_size`={cp} must divide the world size ({world_size} processes): launch a "
+                f"multiple of {cp} processes, or lower `context_parallel_size`."
+            )
+        if pp > 1 and world_size != pp:
+            raise ValueError(
+                f"`pipeline_parallel_size`={pp} must equal the world size ({world_size} processes): launch one "
+                "process per pipeline stage."
+            )
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.context_parallel_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pipeline_parallel_size > 1
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: how many model replicas see rows of their own (1 under pipeline parallelism)."""
+        return self._known_world_size("dp") // (self.context_parallel_size * self.pipeline_parallel_size)
+
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        *,
+        world_size: int | None = None,
+        deepspeed: bool = False,
+        fsdp: bool = False,
+        peft: bool = False,
+        tools: bool = False,
+    ) -> "ParallelDims":
+        """The dims of a `SpecCoTrainConfig` (read by attribute), once its options are checked against them.
+
+        Without `world_size` (the config on its own) only the options are checked. The trainer passes the world
+        size and what it knows at run time: DeepSpeed or FSDP enabled (by the config or by accelerate's), a PEFT
+        policy, tool calls.
+        """
+        dims = cls(config.context_parallel_size, config.pipeline_parallel_size, world_size)
+        if dims.cp_enabled:
+            _check_context_parallel_options(config, deepspeed=deepspeed, fsdp=fsdp)
+        if dims.pp_enabled:
+            _check_pipeline_parallel_options(config, deepspeed=deepspeed, fsdp=fsdp, peft=peft, tools=tools)
+        if config.draft_train_fraction < 1 and (dims.cp_enabled or dims.pp_enabled):
+            raise ValueError(
+                f"`draft_train_fraction`={config.draft_train_fraction} cannot be combined with `context_parallel_size` "
+                "> 1 or `pipeline_parallel_size` > 1: those steps train the draft on packed or pipelined rows, not on "
+                "a choice of a micro-batch's sequences (set it to 1.0)."
+            )
+        return dims
+
+    def build_context_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's group of `context_parallel_size` consecutive ranks; None without context parallelism.
+
+        Creating a group is collective over the world: every rank creates every group, in the same order, and keeps
+        its own. (The pipeline's group is the world itself.)
+        """
+        if not self.cp_enabled:
+            return None
+        world_size = self._known_world_size("build_context_parallel_group")
+        size, rank, own = self.context_parallel_size, dist.get_rank(), None
+        for start in range(0, world_size, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                own = group
+        return own
+
+    def _known_world_size(self, needed_by: str) -> int:
+        if self.world_size is None:
+            raise ValueError(f"ParallelDims.{needed_by} needs the world size: build the dims with `world_size=`.")
+        return self.world_size
+
+
+def _check_context_parallel_options(config, *, deepspeed: bool, fsdp: bool) -> None:
+    """Options that the context-parallel training step cannot honour."""
+    incompatible = {
+        "use_liger_kernel": config.use_liger_kernel,  # its GRPO loss reads unsharded hidden states
+        "deepspeed": deepspeed or config.deepspeed,
+        "fsdp": fsdp or config.fsdp,
+    }
+    enabled = [name for name, value in incompatible.items() if value]
+    if enabled:
+        raise ValueError(
+            f"`context_parallel_size`={config.context_parallel_size} cannot be combined with {enabled}: context "
+            "parallelism runs on DDP (or a single process per group) with the plain GRPO loss. Unset them or set "
+            "`context_parallel_size=1`."
+        )
+
+
+def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, peft: bool, tools: bool) -> None:
+    """Options that the pipelined training step cannot honour."""
+    size = config.pipeline_parallel_size
+    schedule = config.pipeline_schedule
+    if not isinstance(schedule, str) or schedule.lower() not in PIPELINE_SCHEDULES:
+        raise ValueError(f"`pipeline_schedule`={schedule!r} is not allowed: choose '1F1B' or 'GPipe'.")
+    if config.pipeline_tap_transport not in TAP_TRANSPORTS:
+        raise ValueError(
+            f"`pipeline_tap_transport`={config.pipeline_tap_transport!r} is not allowed: choose one of "
+            f"{TAP_TRANSPORTS}."
+        )
+    microbatches = check_int(
+        config.pipeline_num_microbatches,
+        "pipeline_num_microbatches",
+        minimum=min_microbatches(schedule, size),
+        hint=f" (at least {MIN_MICROBATCHES}, and at least `pipeline_parallel_size` under 1F1B)",
+    )
+    rows = config.per_device_train_batch_size * size
+    if rows % microbatches:
+        raise ValueError(
+            f"`pipeline_num_microbatches`={microbatches} does not divide the step's {rows} rows "
+            f"(`per_device_train_batch_size`={config.per_device_train_batch_size} x {size} stages): every "
+            "micro-batch has the same shape."
+        )
+    # The pipelined loss is TRL's dapo loss with beta=0 and token-level ratios (`grpo_loss`), and the stages
+    # cannot compute log-probs outside the pipeline (old log-probs of off-step rollouts, a reference model).
+    generate_every = config.steps_per_generation * config.num_iterations
+    eval_strategy = getattr(config.eval_strategy, "value", config.eval_strategy)
+    incompatible = {
+        "use_vllm": config.use_vllm,
+        "deepspeed": deepspeed or config.deepspeed,
+        "fsdp": fsdp or config.fsdp,
+        "use_liger_kernel": config.use_liger_kernel,
+        "draft_bf16=True": config.draft_bf16 is True,
+        f"beta={config.beta}": config.beta != 0.0,
+        f"loss_type={config.loss_type!r}": config.loss_type != "dapo",
+        f"importance_sampling_level={config.importance_sampling_level!r}": config.importance_sampling_level != "token",
+        f"top_entropy_quantile={config.top_entropy_quantile}": config.top_entropy_quantile < 1.0,
+        "gradient_accumulation_steps not a multiple of steps_per_generation * num_iterations": (
+            config.gradient_accumulation_steps % generate_every != 0
+        ),
+        f"eval_strategy={eval_strategy!r}": eval_strategy != "no",
+    }
+    enabled = [name for name, value in incompatible.items() if value]
+    if enabled:
+        raise ValueError(
+            f"`pipeline_parallel_size`={size} cannot be combined with {enabled}: the pipelined step computes "
+            "TRL's default GRPO loss (loss_type='dapo', beta=0, token-level ratios) on plain processes, with "
+            "HF-native rollouts on rank 0. Change them or set `pipeline_parallel_size=1`."
+        )
+    if peft:
+        raise ValueError(
+            "`pipeline_parallel_size` > 1 cuts a plain HF model: not a PEFT policy (merge the adapter first, or set "
+            "`pipeline_parallel_size=1`)."
+        )
+    if tools:
+        raise ValueError(
+            "`pipeline_parallel_size` > 1 does not support tool calls: every stage must take part in each "
+            "rollout turn that rank 0 generates."
+        )

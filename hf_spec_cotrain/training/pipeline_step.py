@@ -1,0 +1,473 @@
+"""The pipelined GRPO step with the draft co-trained on the last stage (docs/design.md section 6).
+
+`PipelineCoTrainStep` cuts a HF causal LM into stages (`hf_spec_cotrain.parallel.pipeline`); the last stage holds
+the final norm, the lm_head, the GRPO loss and the whole draft. One step runs the policy's forward and backward
+through a `torch.distributed.pipelining` schedule (GPipe or 1F1B), with the GRPO loss of TRL (`grpo_loss`) on each
+micro-batch at the last stage.
+
+Taps reach the draft in one of two ways (``tap_transport``):
+
+* ``"channel"`` (default): each stage sends the taps it owns, as they are produced, over a `TapChannel`, a
+  separate process group with non-blocking point-to-point ops into landing buffers the last stage posted
+  before the schedule started. Nothing waits on a tap inside the schedule.
+* ``"relay"`` (the baseline): taps ride the pipeline as extra stage outputs; every stage forwards the taps of
+  earlier stages plus its own with its activations.
+
+The draft's training-time test runs on the last stage once its part of the schedule is done (while the earlier
+stages still drain their backward passes), on the whole batch, with the teacher computed there from the final
+norm's output and the lm_head rows of the draft vocabulary. Policy gradients accumulate in each stage's
+parameters and draft gradients in the draft's, exactly as one process would compute them on the whole model.
+"""
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from ..parallel.pipeline import (
+    MIN_MICROBATCHES,
+    PIPELINE_SCHEDULES,
+    TAP_TRANSPORTS,
+    StageModule,
+    cut_model_to_stage,
+    min_microbatches,
+    stage_layer_ranges,
+)
+from ..parallel.tap_channel import TapChannel
+from ..taps import decoder_of, validate_aux_layer_ids
+from ..ttt import ttt_loss
+from ..validation import check_int
+
+
+__all__ = [
+    "GRPOBatch",
+    "PipelineCoTrainStep",
+    "PipelineStepOutput",
+    "grpo_loss",
+    "grpo_per_token_logps",
+]
+
+EMBEDDING_TAP = 0  # the input of decoder layer 0 is the token embedding
+
+
+# ---------------------------------------------------------------------------------------------------- GRPO loss
+
+
+def grpo_per_token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float = 1.0):
+    """``log_softmax(logits / T)`` at the completion tokens, in float32 at least: TRL's policy log-probs.
+
+    ``logits`` are those of the positions that predict the completion tokens, ``[B, C, V]``.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    log_probs = F.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    return log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""
+    TRL's GRPO loss for ``loss_type="dapo"``, ``beta=0``, token-level importance sampling (TRL's defaults).
+
+    ``-sum_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * mask_t / normalizer`` with
+    ``r_t = exp(logp_t - old_logp_t)``; without ``old_per_token_logps`` the ratio is 1 with the policy's own
+    gradient (TRL detaches the current log-probs then).
+
+    Args:
+        logits: ``[B, C, V]`` logits at the positions predicting the completion tokens.
+        completion_ids, completion_mask: ``[B, C]``; the mask selects the tokens that count (with tools:
+            ``completion_mask * tool_mask``).
+        advantages: ``[B]`` (or ``[B, C]``).
+        old_per_token_logps: ``[B, C]`` log-probs of the rollout policy, or None.
+        normalizer: the denominator; TRL's dapo uses
+            ``num_items_in_batch / num_processes * gradient_accumulation_steps / steps_per_generation``.
+            Default: the number of counted tokens of this call. Summing the losses of micro-batches that all
+            use the whole batch's normalizer gives the whole batch's loss.
+    """
+    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    mask = completion_mask.to(torch.float32)
+    per_token_logps = grpo_per_token_logps(logits, completion_ids, temperature=temperature)
+    per_token_logps = per_token_logps.masked_fill(completion_mask == 0, 0.0)  # as TRL's label mask leaves them
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    ratio = torch.exp(per_token_logps - old)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+    if normalizer is None:
+        normalizer = mask.sum()
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.to(per_token_loss.dtype).clamp(min=1.0)
+    else:
+        normalizer = max(float(normalizer), 1.0)
+    return (per_token_loss * mask).sum() / normalizer
+
+
+# ---------------------------------------------------------------------------------------------------- the step
+
+
+@dataclass
+class GRPOBatch:
+    """One GRPO micro-batch as TRL's `_compute_loss` receives it (prompts left-padded, completions right-padded)."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_per_token_logps: torch.Tensor | None = None
+    tool_mask: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The completion tokens that count in the loss."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+
+@dataclass
+class PipelineStepOutput:
+    """What one step leaves on this rank: losses on the last stage (None elsewhere).
+
+    ``policy_loss`` is the GRPO loss of the whole batch (the sum of the micro-batch losses, each normalised by the
+    whole batch's normaliser), ``draft`` the draft's `TTTOutput` (its loss was backpropagated, times
+    ``draft_loss_scale``), None without co-training.
+    """
+
+    policy_loss: torch.Tensor | None = None
+    draft: object | None = None
+
+
+class PipelineCoTrainStep:
+    r"""
+    The GRPO training step of a HF causal LM cut into pipeline stages, with an EAGLE-3 draft co-trained on the
+    last stage from the policy's own taps.
+
+    Build it on every rank of the pipeline group with the same arguments (the draft only on the last stage);
+    then per step call `step(batch)` on every rank with the same batch, and step your optimizers: the stage's
+    parameters (`parameters()`, named as in the full model by `named_parameters()`) and the draft's hold the
+    gradients of the whole model's step.
+
+    Args:
+        model: the full policy on every rank; it is cut **in place** to this rank's stage (modules of other
+            stages are replaced by identity placeholders and their weights released). Tied input and output
+            embeddings are refused: they would live on two stages.
+        group: the pipeline's process group (default: the world); stage i is group rank i.
+        draft: the `Eagle3DraftModel` to co-train, required on the last stage when ``aux_layer_ids`` is set.
+        aux_layer_ids: tapped layers (the draft's ``fc`` order). None: no co-training (plain pipelined GRPO).
+        schedule: ``"1F1B"`` (default) or ``"GPipe"``.
+        num_microbatches: pipeline micro-batches per step (>= 4, and >= the number of stages for 1F1B); the
+            batch size must be a multiple of it.
+        tap_transport: ``"channel"`` (`TapChannel`, default) or ``"relay"`` (taps ride the activations).
+        layers_per_stage: decoder layers of each stage (default: as even as possible, extras first).
+        temperature, epsilon_low, epsilon_high: as in `grpo_loss` (TRL's `temperature`, `epsilon`,
+            `epsilon_high`).
+        ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing: the draft's training-time test (`ttt_loss`).
+        device: where this stage runs (default: the model's device).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        draft: nn.Module | None = None,
+        aux_layer_ids: Sequence[int] | None = None,
+        schedule: str = "1F1B",
+        num_microbatches: int = MIN_MICROBATCHES,
+        tap_transport: str = "channel",
+        layers_per_stage: Sequence[int] | None = None,
+        temperature: float = 1.0,
+        epsilon_low: float = 0.2,
+        epsilon_high: float | None = None,
+        ttt_steps: int = 3,
+        ttt_step_weight_decay: float = 0.8,
+        ttt_gradient_checkpointing: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        self.group = group if group is not None else dist.group.WORLD
+        self.num_stages = dist.get_world_size(self.group)
+        self.stage_index = dist.get_rank(self.group)
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        if schedule.lower() not in PIPELINE_SCHEDULES:
+            raise ValueError(f"`schedule`={schedule!r} is not supported; choose one of 'GPipe', '1F1B'.")
+        check_int(num_microbatches, "num_microbatches")
+        minimum = min_microbatches(schedule, self.num_stages)
+        if num_microbatches < minimum:
+            raise ValueError(
+                f"`num_microbatches`={num_microbatches} is too few: use at least {minimum} (a pipeline of "
+                f"{self.num_stages} stages needs several micro-batches in flight to hide its bubble)."
+            )
+        if tap_transport not in TAP_TRANSPORTS:
+            raise ValueError(f"`tap_transport`={tap_transport!r} is not supported; choose one of {TAP_TRANSPORTS}.")
+        text_config = model.config.get_text_config()
+        if self.num_stages > 1 and getattr(text_config, "tie_word_embeddings", False):
+            raise ValueError(
+                "Pipeline parallelism with tied input/output embeddings is not supported: the embedding lives on "
+                "the first stage and the lm_head on the last. Untie them (`tie_word_embeddings=False`)."
+            )
+        self.schedule_class = PIPELINE_SCHEDULES[schedule.lower()]
+        self.num_microbatches = num_microbatches
+        self.temperature, self.epsilon_low = temperature, epsilon_low
+        self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+        self.ttt_steps, self.ttt_step_weight_decay = ttt_steps, ttt_step_weight_decay
+        self.ttt_gradient_checkpointing = ttt_gradient_checkpointing
+        self.tap_transport = tap_transport
+        self.hidden_size = text_config.hidden_size
+        self.vocab_size = text_config.vocab_size
+
+        num_layers = len(decoder_of(model).layers)
+        self.layer_ranges = stage_layer_ranges(num_layers, self.num_stages, layers_per_stage)
+        self.co_training = aux_layer_ids is not None
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers) if self.co_training else ()
+        tap_layers = sorted({EMBEDDING_TAP, *self.aux_layer_ids}) if self.co_training else []
+        # Taps of each stage in the order it produces them (forward order).
+        self.taps_of_stage = [[a for a in tap_layers if a in layers] for layers in self.layer_ranges]
+        self.draft = draft if self.is_last else None
+        if self.is_last and self.co_training:
+            if draft is None:
+                raise ValueError("The last stage trains the draft: pass `draft=` there when `aux_layer_ids` is set.")
+            if tuple(draft.validate_target(model.config)) != self.aux_layer_ids:
+                raise ValueError(
+                    f"`aux_layer_ids`={list(self.aux_layer_ids)} differ from the draft's taps "
+                    f"{list(draft.validate_target(model.config))}."
+                )
+
+        cut_model_to_stage(model, self.layer_ranges[self.stage_index], is_first=self.is_first, is_last=self.is_last)
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.module = StageModule(
+            model,
+            is_first=self.is_first,
+            is_last=self.is_last,
+            tap_layers=self.taps_of_stage[self.stage_index],
+            relay=self.co_training and tap_transport == "relay",
+        )
+        self.channel = (
+            TapChannel(self.group, device=self.device) if self.co_training and tap_transport == "channel" else None
+        )
+        self._local_taps: dict[tuple[int, int], torch.Tensor] = {}
+        if self.co_training:
+            self.module.on_tap = self._on_tap
+        self._schedules: dict[tuple[int, int, int], object] = {}
+        self._batch: GRPOBatch | None = None
+        self._normalizer: float | torch.Tensor = 1.0
+
+    # ------------------------------------------------------------------ parameters
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's trainable parameters (what its optimizer steps)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This stage's parameters under their names in the full model."""
+        return self.model.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under their names in the full model."""
+        return self.model.state_dict()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the policy's gradients by their norm over all stages; returns that total norm (every rank)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        local = local.to(self.device)
+        dist.all_reduce(local, group=self.group)
+        total = local.sqrt()
+        if grads and math.isfinite(max_norm):
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].dtype))
+        return total
+
+    # ------------------------------------------------------------------ one step
+
+    def step(
+        self,
+        batch: GRPOBatch,
+        *,
+        loss_normalizer: float | torch.Tensor | None = None,
+        draft_loss_scale: float = 1.0,
+    ) -> PipelineStepOutput:
+        """Forward and backward of one GRPO batch through the pipeline, and the draft's TTT on the last stage.
+
+        Every rank of the pipeline passes the same batch. Gradients accumulate (zero them yourself).
+        ``loss_normalizer``: TRL's dapo denominator (default: the batch's counted completion tokens).
+        ``draft_loss_scale`` multiplies the draft loss before its backward (e.g. ``1 / gradient_accumulation``).
+        """
+        batch = self._validated(batch)
+        rows = batch.prompt_ids.shape[0]
+        micro_rows = rows // self.num_microbatches
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+        length, completion_length = input_ids.shape[1], batch.completion_ids.shape[1]
+        schedule = self._schedule(micro_rows, length, completion_length)
+        self._batch = batch
+        self._normalizer = batch.loss_mask.sum() if loss_normalizer is None else loss_normalizer
+        self.module.logits_to_keep = completion_length
+        if self.channel is not None:
+            self.channel.begin_step()
+            if self.is_last:
+                self._post_landing_buffers(micro_rows, length)
+
+        microbatch = torch.arange(rows) // micro_rows  # which micro-batch each row lands in (kept on the CPU)
+        kwargs = {"attention_mask": attention_mask, "microbatch": microbatch}
+        losses: list[torch.Tensor] = []
+        target = torch.arange(rows, device=self.device) if self.is_last else None
+        if self.is_first:
+            schedule.step(input_ids, target=target, losses=losses, return_outputs=False, **kwargs)
+        else:
+            schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+
+        output = PipelineStepOutput()
+        if self.channel is not None and not self.is_last:
+            self.channel.wait_sends()
+        if self.is_last:
+            output.policy_loss = torch.stack(losses).sum().detach()
+            if self.co_training:
+                output.draft = self._draft_step(batch, attention_mask, draft_loss_scale)
+        self._batch = None
+        return output
+
+    def _validated(self, batch: GRPOBatch) -> GRPOBatch:
+        rows = batch.prompt_ids.shape[0]
+        if rows % self.num_microbatches:
+            raise ValueError(
+                f"The batch has {rows} rows, not a multiple of `num_microbatches`={self.num_microbatches}: the "
+                "pipeline's micro-batches must all have the same shape."
+            )
+        shapes = {
+            "prompt_mask": (batch.prompt_mask, batch.prompt_ids.shape),
+            "completion_mask": (batch.completion_mask, batch.completion_ids.shape),
+            "completion_ids": (batch.completion_ids, (rows, batch.completion_ids.shape[1])),
+        }
+        if batch.old_per_token_logps is not None:
+            shapes["old_per_token_logps"] = (batch.old_per_token_logps, batch.completion_ids.shape)
+        for name, (tensor, shape) in shapes.items():
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"`{name}` has shape {tuple(tensor.shape)}; expected {tuple(shape)}.")
+        if batch.advantages.shape[0] != rows:
+            raise ValueError(f"`advantages` has {batch.advantages.shape[0]} rows; the batch has {rows}.")
+        move = {name: getattr(batch, name) for name in batch.__dataclass_fields__}
+        return GRPOBatch(**{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in move.items()})
+
+    def _schedule(self, micro_rows: int, length: int, completion_length: int):
+        """A stage and schedule for these micro-batch shapes (static shapes: no shape inference at run time)."""
+        key = (micro_rows, length, completion_length)
+        if key not in self._schedules:
+            meta = {"device": "meta"}
+            hidden = torch.empty(micro_rows, length, self.hidden_size, dtype=self.dtype, **meta)
+            relay = self.co_training and self.tap_transport == "relay"
+
+            def relayed(stages: range) -> list[torch.Tensor]:
+                count = sum(len(self.taps_of_stage[s]) for s in stages) if relay else 0
+                return [torch.empty_like(hidden) for _ in range(count)]
+
+            if self.is_first:
+                inputs = (torch.empty(micro_rows, length, dtype=torch.int64, **meta),)
+            else:
+                inputs = (hidden.clone().requires_grad_(), *relayed(range(self.stage_index)))
+            if self.is_last:
+                outputs = (
+                    torch.empty(
+                        micro_rows, completion_length, self.vocab_size, dtype=self.dtype, **meta
+                    ).requires_grad_(),
+                )
+            else:
+                outputs = (hidden.clone().requires_grad_(), *relayed(range(self.stage_index + 1)))
+            stage = PipelineStage(
+                self.module,
+                self.stage_index,
+                self.num_stages,
+                self.device,
+                input_args=inputs,
+                output_args=outputs,
+                group=self.group,
+            )
+            self._schedules[key] = self.schedule_class(
+                stage, n_microbatches=self.num_microbatches, loss_fn=self._micro_loss, scale_grads=False
+            )
+        return self._schedules[key]
+
+    def _micro_loss(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        batch = self._batch
+        old = batch.old_per_token_logps
+        return grpo_loss(
+            logits,
+            batch.completion_ids[rows],
+            batch.loss_mask[rows],
+            batch.advantages[rows],
+            None if old is None else old[rows],
+            temperature=self.temperature,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            normalizer=self._normalizer,
+        )
+
+    # ------------------------------------------------------------------ taps and the draft
+
+    def _on_tap(self, microbatch: int, tap_id: int, hidden: torch.Tensor) -> None:
+        if self.is_last:
+            self._local_taps[(microbatch, tap_id)] = hidden
+        else:
+            self.channel.send(hidden, microbatch=microbatch, tap_id=tap_id)
+
+    def _post_landing_buffers(self, micro_rows: int, length: int) -> None:
+        shape = (micro_rows, length, self.hidden_size)
+        for source in range(self.num_stages - 1):
+            keys = [(mb, a) for mb in range(self.num_microbatches) for a in self.taps_of_stage[source]]
+            if keys:
+                self.channel.expect(source=source, keys=keys, shapes=[shape] * len(keys), dtype=self.dtype)
+
+    def _gather_taps(self) -> dict[int, torch.Tensor]:
+        """Every tap of the step, the micro-batches concatenated in row order."""
+        relayed = [a for s in range(self.num_stages - 1) for a in self.taps_of_stage[s]]
+        per_tap: dict[int, list[torch.Tensor]] = {}
+        for mb in range(self.num_microbatches):
+            if self.tap_transport == "relay":
+                arrived = dict(zip([*relayed, *self.taps_of_stage[-1]], self.module.relayed_taps.pop(mb)))
+            else:
+                arrived = {a: self.channel.receive(microbatch=mb, tap_id=a) for a in relayed}
+                arrived.update({a: self._local_taps.pop((mb, a)) for a in self.taps_of_stage[-1]})
+            for tap_id, tensor in arrived.items():
+                per_tap.setdefault(tap_id, []).append(tensor)
+        return {tap_id: torch.cat(tensors) for tap_id, tensors in per_tap.items()}
+
+    def _draft_inputs(self) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The step's taps (by tap id) and the teacher's logits over the draft vocabulary, whole batch."""
+        taps = self._gather_taps()
+        final_hidden = torch.cat([self.module.final_hidden.pop(mb) for mb in range(self.num_microbatches)])
+        with torch.no_grad():
+            rows = self.model.lm_head.weight.detach()[self.draft.draft_to_target_ids.to(self.device)]
+            teacher = final_hidden.to(rows.dtype) @ rows.T
+        return taps, teacher
+
+    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float):
+        taps, teacher = self._draft_inputs()
+        loss_mask = torch.cat([torch.zeros_like(batch.prompt_mask), batch.loss_mask], dim=1)
+        out = ttt_loss(
+            self.draft,
+            aux_hidden_states=[taps[a] for a in self.aux_layer_ids],
+            input_embeds=taps[EMBEDDING_TAP],
+            teacher_logits=teacher,
+            loss_mask=loss_mask.bool(),
+            attention_mask=attention_mask.bool(),
+            ttt_steps=self.ttt_steps,
+            step_weight_decay=self.ttt_step_weight_decay,
+            gradient_checkpointing=self.ttt_gradient_checkpointing,
+        )
+        if torch.isfinite(out.loss):
+            (out.loss * scale).backward()
+        return out

@@ -1,0 +1,72 @@
+"""Input checks that several layers share, written once so that every caller accepts and rejects the same values
+with the same message. A leaf module: it imports nothing from the package."""
+
+import torch
+
+
+def check_int(value, name: str, *, minimum: int = 1, below: int | None = None, hint: str = "") -> int:
+    """`value` if it is an int (a bool is not) in `[minimum, below)`; else a ValueError naming `name` and the range.
+
+    `hint` follows the range in the message (what the value means, or how to choose it).
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (below is not None and value >= below)
+    ):
+        raise ValueError(
+            f"`{name}`={value!r} is not allowed: {name} must be {_int_range(minimum, below)}{hint}, got {value!r}."
+        )
+    return value
+
+
+def _int_range(minimum: int, below: int | None) -> str:
+    if below is not None:
+        return f"an int in [{minimum}, {below})"
+    return {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, *, length: int, batch_size: int) -> None:
+    """`cu_seqlens` must be a 1-D integer tensor `[0, ..., length]`, non-decreasing, with batch size 1."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor of int type, got {type(cu_seqlens).__name__}.")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must have an integer dtype (e.g. torch.int32), got {cu_seqlens.dtype}.")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least 2 entries [0, ..., L], got shape {tuple(cu_seqlens.shape)}."
+        )
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != length:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the sequence length L={length}, got first={first} and last={last}."
+        )
+    steps = torch.diff(cu_seqlens.to(torch.int64))
+    if bool((steps < 0).any()):
+        bad = int(torch.nonzero(steps < 0)[0, 0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got {int(cu_seqlens[bad])} followed by {int(cu_seqlens[bad + 1])} "
+            f"at index {bad}."
+        )
+    if batch_size != 1:
+        raise ValueError(
+            f"Packed documents (cu_seqlens given) need batch size B=1, got B={batch_size}; "
+            "concatenate the batch along L instead."
+        )
+
+
+def contiguous_row_spans(mask: torch.Tensor, *, fix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first column and the number of real tokens of each row of `mask` `[B, L]` (nonzero: real), whose real
+    tokens must be contiguous, as in TRL's rows (left-padded prompt, right-padded completion); `fix` ends the
+    error otherwise."""
+    real = mask.to(torch.bool)
+    columns = torch.arange(real.shape[1], device=real.device)
+    lengths = real.sum(-1)
+    first = torch.where(lengths > 0, real.int().argmax(-1), 0)
+    contiguous = (columns >= first[:, None]) & (columns < (first + lengths)[:, None])
+    if not torch.equal(contiguous, real):
+        raise ValueError(
+            f"Some rows have real tokens that are not contiguous (a masked token between two real ones); {fix}"
+        )
+    return first, lengths

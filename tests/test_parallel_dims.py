@@ -1,0 +1,80 @@
+"""`ParallelDims` in one process: the sizes, the checks against the world size, the data-parallel degree, and the
+run-time facts the trainer adds to the config's checks. The group building is in tests/distributed."""
+
+import pytest
+
+from hf_spec_cotrain import SpecCoTrainConfig
+from hf_spec_cotrain.parallel import ParallelDims
+
+
+def test_sizes_default_to_plain_data_parallelism():
+    dims = ParallelDims(world_size=4)
+    assert (dims.cp_enabled, dims.pp_enabled, dims.dp) == (False, False, 4)
+    assert ParallelDims().build_context_parallel_group() is None  # no group needed, no process group touched
+
+
+@pytest.mark.parametrize(
+    ("dims", "enabled", "dp"),
+    [
+        (ParallelDims(context_parallel_size=2, world_size=8), (True, False), 4),
+        (ParallelDims(context_parallel_size=4, world_size=4), (True, False), 1),
+        (ParallelDims(pipeline_parallel_size=4, world_size=4), (False, True), 1),
+    ],
+)
+def test_data_parallel_degree(dims, enabled, dp):
+    assert (dims.cp_enabled, dims.pp_enabled) == enabled
+    assert dims.dp == dp
+
+
+@pytest.mark.parametrize("name", ["context_parallel_size", "pipeline_parallel_size", "world_size"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_sizes_are_positive_ints(name, bad):
+    with pytest.raises(ValueError, match=f"`{name}`={bad!r} is not allowed"):
+        ParallelDims(**{name: bad})
+
+
+def test_context_and_pipeline_parallelism_are_exclusive():
+    with pytest.raises(
+        ValueError, match="`context_parallel_size`=2 cannot be combined with `pipeline_parallel_size`=2"
+    ):
+        ParallelDims(context_parallel_size=2, pipeline_parallel_size=2)
+
+
+def test_world_size_checks():
+    with pytest.raises(ValueError, match=r"`context_parallel_size`=4 must divide the world size \(6 processes\)"):
+        ParallelDims(context_parallel_size=4, world_size=6)
+    with pytest.raises(ValueError, match=r"`pipeline_parallel_size`=2 must equal the world size \(4 processes\)"):
+        ParallelDims(pipeline_parallel_size=2, world_size=4)
+    with pytest.raises(ValueError, match="needs the world size"):
+        _ = ParallelDims(context_parallel_size=2).dp
+    with pytest.raises(ValueError, match="needs the world size"):
+        ParallelDims(context_parallel_size=2).build_context_parallel_group()
+
+
+def _config(tmp_path, **overrides):
+    options = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", "num_generations": 4}
+    return SpecCoTrainConfig(**options | {"per_device_train_batch_size": 4} | overrides)
+
+
+def test_from_config_adds_the_run_time_facts(tmp_path):
+    cp = _config(tmp_path, context_parallel_size=2)
+    assert ParallelDims.from_config(cp) == ParallelDims(context_parallel_size=2)
+    assert ParallelDims.from_config(cp, world_size=4).dp == 2
+    with pytest.raises(ValueError, match=r"must divide the world size \(3 processes\)"):
+        ParallelDims.from_config(cp, world_size=3)
+    for fact in ("deepspeed", "fsdp"):
+        with pytest.raises(ValueError, match=rf"`context_parallel_size`=2 cannot be combined with \['{fact}'\]"):
+            ParallelDims.from_config(cp, world_size=2, **{fact: True})
+
+    pp = _config(tmp_path, pipeline_parallel_size=2)
+    assert ParallelDims.from_config(pp, world_size=2).dp == 1
+    with pytest.raises(ValueError, match=r"must equal the world size \(1 processes\)"):
+        ParallelDims.from_config(pp, world_size=1)
+    with pytest.raises(ValueError, match=r"`pipeline_parallel_size`=2 cannot be combined with \['fsdp'\]"):
+        ParallelDims.from_config(pp, world_size=2, fsdp=True)
+    with pytest.raises(ValueError, match="not a PEFT policy"):
+        ParallelDims.from_config(pp, world_size=2, peft=True)
+    with pytest.raises(ValueError, match="does not support tool calls"):
+        ParallelDims.from_config(pp, world_size=2, tools=True)
+    # Facts that only matter to a parallelism the run does not use are not errors.
+    assert ParallelDims.from_config(_config(tmp_path), world_size=3, peft=True, tools=True, fsdp=True).dp == 3
