@@ -1,2 +1,39 @@
-"""The pieces `SpecCoTrainGRPOTrainer` holds: the draft's co-training, the speculative rollouts and the training-step
-strategies of context and pipeline parallelism."""
+"""The pieces `SpecCoTrainGRPOTrainer` holds: the draft's co-training (`DraftCoTrainer`), the speculative rollouts
+(`SpeculativeRollouts`) and the training-step strategies of context and pipeline parallelism (`ContextParallelStep`,
+`PipelineParallelStep`, the latter running `PipelineCoTrainStep`). Imported lazily: they pull in TRL."""
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+
+__all__ = [
+    "ContextParallelStep",
+    "DraftCoTrainer",
+    "GRPOBatch",
+    "PipelineCoTrainStep",
+    "PipelineParallelStep",
+    "PipelineStepOutput",
+    "SpeculativeRollouts",
+    "grpo_loss",
+]
+
+_MODULE_OF = {
+    "ContextParallelStep": "steps",
+    "DraftCoTrainer": "draft_cotraining",
+    "GRPOBatch": "pipeline_step",
+    "PipelineCoTrainStep": "pipeline_step",
+    "PipelineParallelStep": "steps",
+    "PipelineStepOutput": "pipeline_step",
+    "SpeculativeRollouts": "rollouts",
+    "grpo_loss": "pipeline_step",
+}
+
+if TYPE_CHECKING:
+    from .draft_cotraining import DraftCoTrainer
+    from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput, grpo_loss
+    from .rollouts import SpeculativeRollouts
+    from .steps import ContextParallelStep, PipelineParallelStep
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)

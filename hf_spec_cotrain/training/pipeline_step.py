@@ -449,10 +449,7 @@ class PipelineCoTrainStep:
         """The step's taps (by tap id) and the teacher's logits over the draft vocabulary, whole batch."""
         taps = self._gather_taps()
         final_hidden = torch.cat([self.module.final_hidden.pop(mb) for mb in range(self.num_microbatches)])
-        with torch.no_grad():
-            rows = self.model.lm_head.weight.detach()[self.draft.draft_to_target_ids.to(self.device)]
-            teacher = final_hidden.to(rows.dtype) @ rows.T
-        return taps, teacher
+        return taps, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
 
     def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float):
         taps, teacher = self._draft_inputs()
