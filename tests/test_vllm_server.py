@@ -26,7 +26,7 @@ from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
 from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
-from hf_spec_cotrain.generation.vllm_engine import RolloutOutput
+from hf_spec_cotrain.generation.engine import RolloutOutput
 
 
 # Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.

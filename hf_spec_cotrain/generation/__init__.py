@@ -15,12 +15,12 @@ _MODULE_OF = {
     "rejection_sample": "speculative",
     "residual_distribution": "speculative",
     "speculative_generate": "speculative",
+    "RolloutOutput": "engine",
+    "SpecDecodeStats": "engine",
+    "SyncStats": "engine",
+    "WeightSyncError": "engine",
     "VLLM_INSTALL_HINT": "vllm_engine",
-    "RolloutOutput": "vllm_engine",
-    "SpecDecodeStats": "vllm_engine",
-    "SyncStats": "vllm_engine",
     "VLLMRolloutEngine": "vllm_engine",
-    "WeightSyncError": "vllm_engine",
     "VLLMServerClient": "client",
     "VLLMServerError": "client",
 }
@@ -44,6 +44,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .client import VLLMServerClient, VLLMServerError
+    from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
     from .speculative import (
         DRAFT_SAMPLING_METHODS,
         SpeculativeOutput,
@@ -52,14 +53,7 @@ if TYPE_CHECKING:
         residual_distribution,
         speculative_generate,
     )
-    from .vllm_engine import (
-        VLLM_INSTALL_HINT,
-        RolloutOutput,
-        SpecDecodeStats,
-        SyncStats,
-        VLLMRolloutEngine,
-        WeightSyncError,
-    )
+    from .vllm_engine import VLLM_INSTALL_HINT, VLLMRolloutEngine
 
 
 def __getattr__(name: str):

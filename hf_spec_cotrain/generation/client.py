@@ -18,7 +18,7 @@ import requests
 import torch
 from safetensors.torch import save as save_safetensors
 
-from .vllm_engine import RolloutOutput, SpecDecodeStats
+from .engine import RolloutOutput, SpecDecodeStats
 
 
 __all__ = [
