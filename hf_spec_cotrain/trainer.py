@@ -734,16 +734,16 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         """Push this step's policy and draft: in place into the colocated engine, or to the shared server (once,
         from the main process, one transaction each)."""
         engine = self.rollout_engine
-        if isinstance(engine, VLLMServerClient):
+        if engine.shared_across_processes:
             if self.accelerator.is_main_process:
                 with self._policy_weights_for_rollout() as weights:
-                    engine.update_policy(weights)
-                engine.update_draft(self.draft.state_dict().items())
+                    engine.sync_weights("policy", weights)
+                engine.sync_weights("draft", self.draft.state_dict().items())
             self.accelerator.wait_for_everyone()
             return
         with self._policy_weights_for_rollout() as weights:
-            engine.sync_policy(weights)
-        engine.sync_draft(self.draft.state_dict().items())
+            engine.sync_weights("policy", weights)
+        engine.sync_weights("draft", self.draft.state_dict().items())
 
     def _engine_single_turn(self, prompt_ids):
         engine = self.rollout_engine

