@@ -1,10 +1,11 @@
 """The colocated engine and the server client both satisfy `RolloutEngine`, so the trainer drives either one."""
 
 import inspect
+import json
 
 import pytest
 
-from hf_spec_cotrain.generation import RolloutEngine, VLLMRolloutEngine, VLLMServerClient
+from hf_spec_cotrain.generation import RolloutEngine, SpecDecodeStats, VLLMRolloutEngine, VLLMServerClient
 
 
 METHODS = sorted(
@@ -39,3 +40,19 @@ def test_client_refuses_an_unknown_weight_set_before_any_request():
     client = VLLMServerClient("http://127.0.0.1:9", connect_timeout=0.1)
     with pytest.raises(ValueError, match=r"which='target' names no weight set: choose 'policy' or 'draft'"):
         client.sync_weights("target", [])
+
+
+def test_spec_decode_counters_travel_as_json_and_back():
+    stats = SpecDecodeStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_position=[3, 2, 1])
+    wire = json.loads(json.dumps(stats.to_json(), allow_nan=False))
+    assert wire == {
+        "num_drafts": 4,
+        "num_draft_tokens": 12,
+        "num_accepted_tokens": 6,
+        "accepted_per_position": [3, 2, 1],
+        "acceptance_length": 2.5,
+    }
+    assert SpecDecodeStats.from_json(wire) == stats
+    # Nothing drafted: the acceptance length is NaN, which JSON cannot carry.
+    assert json.loads(json.dumps(SpecDecodeStats().to_json(), allow_nan=False))["acceptance_length"] is None
+    assert SpecDecodeStats.from_json(SpecDecodeStats().to_json()) == SpecDecodeStats()

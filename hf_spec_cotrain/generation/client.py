@@ -149,19 +149,13 @@ class VLLMServerClient:
             "sampling_kwargs": sampling_kwargs,
         }
         answer = self._request("POST", "/generate", json=body)
-        stats = answer["spec_decode"]
         completion_logprobs = answer["logprobs"]
         if completion_logprobs is not None:
             completion_logprobs = [[math.nan if x is None else x for x in row] for row in completion_logprobs]
         return ServerRolloutOutput(
             completion_ids=answer["completion_ids"],
             logprobs=completion_logprobs,
-            spec_decode=SpecDecodeStats(
-                num_drafts=stats["num_drafts"],
-                num_draft_tokens=stats["num_draft_tokens"],
-                num_accepted_tokens=stats["num_accepted_tokens"],
-                accepted_per_position=stats["accepted_per_position"],
-            ),
+            spec_decode=SpecDecodeStats.from_json(answer["spec_decode"]),
             versions=WeightsVersion(**answer["versions"]),
         )
 

@@ -21,6 +21,7 @@ __all__ = [
     "WeightSet",
     "WeightSyncError",
     "check_weight_set",
+    "finite_or_none",
 ]
 
 # The two weight sets an engine holds: the policy (HF names) and its EAGLE-3 draft (checkpoint names).
@@ -67,6 +68,32 @@ class SpecDecodeStats:
             num_accepted_tokens=self.num_accepted_tokens - other.num_accepted_tokens,
             accepted_per_position=[now - then for now, then in zip(self.accepted_per_position, before)],
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The counters as the rollout server sends them, with the acceptance length for readers of the raw JSON
+        (null when nothing was drafted: JSON has no NaN)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": self.accepted_per_position,
+            "acceptance_length": finite_or_none(self.acceptance_length),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "SpecDecodeStats":
+        """The inverse of `to_json` (the acceptance length is recomputed from the counters)."""
+        return cls(
+            num_drafts=data["num_drafts"],
+            num_draft_tokens=data["num_draft_tokens"],
+            num_accepted_tokens=data["num_accepted_tokens"],
+            accepted_per_position=data["accepted_per_position"],
+        )
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or infinity: such values travel as null."""
+    return value if math.isfinite(value) else None
 
 
 @dataclass

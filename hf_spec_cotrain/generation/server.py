@@ -40,7 +40,6 @@ transaction as HTTP chunks. It needs CUDA and is **untested here** (the project'
 import asyncio
 import hashlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -61,7 +60,7 @@ from safetensors.torch import load as load_safetensors
 from starlette.concurrency import run_in_threadpool
 
 from .client import SHA256_HEADER
-from .engine import WeightSet
+from .engine import WeightSet, finite_or_none
 from .vllm_engine import VLLMRolloutEngine
 
 
@@ -311,17 +310,11 @@ class RolloutServer:
             )
         except (ValueError, TypeError) as error:
             raise ServerError(400, f"Bad generate request: {error}") from error
-        stats = output.spec_decode
+        logprobs = None if output.logprobs is None else [[finite_or_none(x) for x in row] for row in output.logprobs]
         return {
             "completion_ids": output.completion_ids,
-            "logprobs": None if output.logprobs is None else [[_finite(x) for x in row] for row in output.logprobs],
-            "spec_decode": {
-                "num_drafts": stats.num_drafts,
-                "num_draft_tokens": stats.num_draft_tokens,
-                "num_accepted_tokens": stats.num_accepted_tokens,
-                "accepted_per_position": stats.accepted_per_position,
-                "acceptance_length": _finite(stats.acceptance_length),
-            },
+            "logprobs": logprobs,
+            "spec_decode": output.spec_decode.to_json(),
             "versions": dict(self.versions),
         }
 
@@ -451,11 +444,6 @@ class RolloutServer:
         )
         num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in received.values())
         return self._stage(transaction_id, index, received, num_bytes)
-
-
-def _finite(value: float) -> float | None:
-    """JSON has no NaN or infinity: such values travel as null."""
-    return value if math.isfinite(value) else None
 
 
 # --------------------------------------------------------------------------------------- HTTP app
