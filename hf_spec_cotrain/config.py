@@ -4,12 +4,10 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.dims import ParallelDims
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
-
-
-DRAFT_SAMPLING_CHOICES = ("probabilistic", "greedy")
 
 
 @dataclass
@@ -241,9 +239,9 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`draft_max_grad_norm`, `draft_warmup_steps` and `draft_weight_decay` must be >= 0; got "
                 f"{self.draft_max_grad_norm}, {self.draft_warmup_steps}, {self.draft_weight_decay}."
             )
-        if self.draft_sampling is not None and self.draft_sampling not in DRAFT_SAMPLING_CHOICES:
+        if self.draft_sampling is not None and self.draft_sampling not in DRAFT_SAMPLING_METHODS:
             raise ValueError(
-                f"`draft_sampling`={self.draft_sampling!r} is not allowed: choose one of {DRAFT_SAMPLING_CHOICES}."
+                f"`draft_sampling`={self.draft_sampling!r} is not allowed: choose one of {DRAFT_SAMPLING_METHODS}."
             )
         if self.push_draft_to_hub and not self.save_draft:
             raise ValueError("`push_draft_to_hub=True` needs `save_draft=True`: the pushed folder is the saved draft.")

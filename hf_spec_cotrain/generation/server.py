@@ -40,7 +40,6 @@ transaction as HTTP chunks. It needs CUDA and is **untested here** (the project'
 import asyncio
 import hashlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -49,7 +48,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
@@ -61,6 +60,7 @@ from safetensors.torch import load as load_safetensors
 from starlette.concurrency import run_in_threadpool
 
 from .client import SHA256_HEADER
+from .engine import WeightSet, finite_or_none
 from .vllm_engine import VLLMRolloutEngine
 
 
@@ -103,7 +103,7 @@ class GenerateRequest(_Body):
 
 
 class BeginRequest(_Body):
-    target: Literal["policy", "draft"]
+    target: WeightSet
     version: int | None = Field(default=None, ge=0)
 
 
@@ -130,7 +130,7 @@ class NcclChunkRequest(_Body):
 @dataclass
 class _Transaction:
     id: str
-    target: str
+    target: WeightSet
     version: int
     chunks: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     chunk_bytes: dict[int, int] = field(default_factory=dict)
@@ -165,7 +165,7 @@ class WeightTransactions:
         self._expired: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
-    def begin(self, target: str, version: int) -> _Transaction:
+    def begin(self, target: WeightSet, version: int) -> _Transaction:
         transaction = _Transaction(id=uuid.uuid4().hex, target=target, version=version)
         with self._lock:
             self._open[transaction.id] = transaction
@@ -310,32 +310,25 @@ class RolloutServer:
             )
         except (ValueError, TypeError) as error:
             raise ServerError(400, f"Bad generate request: {error}") from error
-        stats = output.spec_decode
+        logprobs = None if output.logprobs is None else [[finite_or_none(x) for x in row] for row in output.logprobs]
         return {
             "completion_ids": output.completion_ids,
-            "logprobs": None if output.logprobs is None else [[_finite(x) for x in row] for row in output.logprobs],
-            "spec_decode": {
-                "num_drafts": stats.num_drafts,
-                "num_draft_tokens": stats.num_draft_tokens,
-                "num_accepted_tokens": stats.num_accepted_tokens,
-                "accepted_per_position": stats.accepted_per_position,
-                "acceptance_length": _finite(stats.acceptance_length),
-            },
+            "logprobs": logprobs,
+            "spec_decode": output.spec_decode.to_json(),
             "versions": dict(self.versions),
         }
 
     def commit(self, transaction: _Transaction, num_chunks: int) -> dict[str, Any]:
         target = transaction.target
         weights = transaction.merged(num_chunks)
-        check, sync, read = self._weights_api(target)
         try:
-            check([(name, tensor.shape) for name, tensor in weights.items()])
+            self.engine.check_weights(target, [(name, tensor.shape) for name, tensor in weights.items()])
         except ValueError as error:
             raise ServerError(400, f"Transaction {transaction.id} refused: {error}") from error
         if target not in self._rollback_points:
-            self._rollback_points[target] = read()
+            self._rollback_points[target] = self.engine.read_weights(target)
         try:
-            stats = sync(weights.items())
+            stats = self.engine.sync_weights(target, weights.items())
         except Exception as error:
             raise self._roll_back(target, error) from error
         self._rollback_points[target] = {name: tensor.to("cpu") for name, tensor in weights.items()}
@@ -353,9 +346,8 @@ class RolloutServer:
     def _roll_back(self, target: str, error: Exception) -> ServerError:
         version = self.versions[target]
         failure = f"Applying the {target} update failed ({type(error).__name__}: {error})"
-        _, sync, _ = self._weights_api(target)
         try:
-            sync(self._rollback_points[target].items())
+            self.engine.sync_weights(target, self._rollback_points[target].items())
         except Exception as rollback_error:
             self._broken[target] = (
                 f"{failure}, and restoring {target} version {version} failed too "
@@ -367,12 +359,6 @@ class RolloutServer:
         return ServerError(
             500, f"{failure}. The server restored the previous {target} weights (version {version}) and serves them."
         )
-
-    def _weights_api(self, target: str) -> tuple[Callable, Callable, Callable]:
-        engine = self.engine
-        if target == "policy":
-            return engine.check_policy, engine.sync_policy, engine.read_policy
-        return engine.check_draft, engine.sync_draft, engine.read_draft
 
     # ----------------------------------------------------------------------------------- staging
 
@@ -403,9 +389,11 @@ class RolloutServer:
     def _stage(self, transaction_id: str, index: int, tensors: dict[str, torch.Tensor], num_bytes: int) -> int:
         if not tensors:
             raise ServerError(400, f"Chunk {index} holds no tensor. Nothing staged.")
-        check, _, _ = self._weights_api(self.transactions.get(transaction_id).target)
+        target = self.transactions.get(transaction_id).target
         try:
-            check([(name, tensor.shape) for name, tensor in tensors.items()], complete=False)
+            self.engine.check_weights(
+                target, [(name, tensor.shape) for name, tensor in tensors.items()], complete=False
+            )
         except ValueError as error:
             raise ServerError(400, f"Chunk {index} refused: {error}") from error
         self.transactions.add_chunk(transaction_id, index, tensors, num_bytes)
@@ -456,11 +444,6 @@ class RolloutServer:
         )
         num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in received.values())
         return self._stage(transaction_id, index, received, num_bytes)
-
-
-def _finite(value: float) -> float | None:
-    """JSON has no NaN or infinity: such values travel as null."""
-    return value if math.isfinite(value) else None
 
 
 # --------------------------------------------------------------------------------------- HTTP app

@@ -34,6 +34,7 @@ from transformers import (
 )
 
 from ..draft import Eagle3DraftModel
+from ..draft.modeling import causal_slot_mask
 from ..taps import TapRecorder
 
 
@@ -441,7 +442,7 @@ class _SpeculativeDecoder:
         """Append ``L`` slots (``valid``: not holes) to the draft cache; return the logits and ``h`` at one slot per
         row (``select``; default the last), so a long prompt never materialises ``[B, L, vocab]`` logits."""
         self.draft_mask = torch.cat([self.draft_mask, valid], dim=1)
-        visible = _slot_attention_mask(self.draft_mask, input_embeds.shape[1])
+        visible = causal_slot_mask(self.draft_mask, input_embeds.shape[1])
         cache = self.draft_cache
 
         def attend(layer_index, q, k, v):
@@ -474,15 +475,6 @@ class _SpeculativeDecoder:
     def _compact_caches(self) -> None:
         self.target_cache, self.target_mask = _compact(self.target_cache, self.target_mask, self.target.config)
         self.draft_cache, self.draft_mask = _compact(self.draft_cache, self.draft_mask, None)
-
-
-def _slot_attention_mask(slot_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """``[B, 1, L, slots]``: the last ``L`` slots' queries see kept slots up to their own (and always their own)."""
-    slots = slot_mask.shape[1]
-    key_slot = torch.arange(slots, device=slot_mask.device)
-    query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
-    visible = (key_slot <= query_slot) & slot_mask[:, None, :]
-    return (visible | (key_slot == query_slot))[:, None]
 
 
 def _compact(cache: DynamicCache, slot_mask: torch.Tensor, config) -> tuple[DynamicCache, torch.Tensor]:
