@@ -1,4 +1,4 @@
-"""Tapping the target's hidden states (DESIGN.md section 2).
+"""Tapping the target's hidden states (docs/design.md section 2).
 
 A tap id ``a`` is the *input* of decoder layer ``a``: the residual stream after ``a`` layers, which is
 ``hidden_states[a]`` of a HF forward with ``output_hidden_states=True`` and vLLM's

@@ -12,7 +12,7 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 @strict
 class Eagle3DraftConfig(LlamaConfig):
     r"""
-    A Llama config plus the EAGLE-3 fields vLLM and SGLang read (DESIGN.md section 3).
+    A Llama config plus the EAGLE-3 fields vLLM and SGLang read (docs/design.md section 3).
 
     The Llama fields (``hidden_size``, heads, ``head_dim``, ``intermediate_size``, ``rms_norm_eps``,
     ``rope_parameters``, ``max_position_embeddings``) describe the draft's own decoder layers and are copied

@@ -36,6 +36,7 @@ from transformers import (
 from ..draft import Eagle3DraftModel
 from ..draft.modeling import causal_slot_mask
 from ..taps import TapRecorder
+from ..validation import check_int
 
 
 __all__ = [
@@ -520,10 +521,6 @@ def _special_ids(target: nn.Module, eos_token_id, pad_token_id) -> tuple[torch.T
     return torch.tensor(eos_ids, dtype=torch.long), int(pad_token_id)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _validate_arguments(
     target,
     draft,
@@ -539,13 +536,12 @@ def _validate_arguments(
     draft_sampling,
 ) -> str:
     """Raise a ValueError naming any bad argument; return the effective ``draft_sampling``."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"`max_new_tokens`={max_new_tokens!r} is not allowed: it must be an int >= 1.")
-    if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
-        raise ValueError(
-            f"`num_speculative_tokens`={num_speculative_tokens!r} is not allowed: the draft proposes an int >= 1 "
-            "tokens per round (use `target.generate` to decode without a draft)."
-        )
+    check_int(max_new_tokens, "max_new_tokens")
+    check_int(
+        num_speculative_tokens,
+        "num_speculative_tokens",
+        hint=" (the draft's tokens per round; use `target.generate` to decode without a draft)",
+    )
     if draft_sampling is not None and draft_sampling not in DRAFT_SAMPLING_METHODS:
         raise ValueError(
             f"`draft_sampling`={draft_sampling!r} is not allowed; choose one of {', '.join(DRAFT_SAMPLING_METHODS)}."
@@ -558,8 +554,7 @@ def _validate_arguments(
             )
         if not 0 < top_p <= 1:
             raise ValueError(f"`top_p`={top_p!r} is not allowed: it must be in (0, 1] (1 disables it).")
-        if not _is_int(top_k) or top_k < 0:
-            raise ValueError(f"`top_k`={top_k!r} is not allowed: it must be an int >= 0 (0 disables it).")
+        check_int(top_k, "top_k", minimum=0, hint=" (0 disables it)")
     elif draft_sampling == "probabilistic":
         warnings.warn(
             "`draft_sampling='probabilistic'` has no effect with `do_sample=False`: greedy decoding verifies the "
