@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType
 from .draft import Eagle3DraftModel, count_tokens
 from .taps import TapRecorder
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
+from .validation import check_int
 
 
 @dataclass
@@ -75,16 +76,8 @@ class DraftTrainingConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the split, the shuffling and the draft's init."})
 
     def __post_init__(self):
-        positive = {
-            "num_layers": self.num_layers,
-            "ttt_steps": self.ttt_steps,
-            "batch_size": self.batch_size,
-            "eval_steps": self.eval_steps,
-            "logging_steps": self.logging_steps,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"`{name}`={value} is not allowed: it must be an int >= 1.")
+        for name in ("num_layers", "ttt_steps", "batch_size", "eval_steps", "logging_steps"):
+            check_int(getattr(self, name), name)
         if self.max_length < 2:
             raise ValueError(f"`max_length`={self.max_length} is not allowed: a training sequence needs >= 2 tokens.")
         if not 0 <= self.eval_fraction < 1:

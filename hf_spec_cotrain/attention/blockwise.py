@@ -127,6 +127,12 @@ def branch_backward(
     return dq, dbranch_k, dbranch_v
 
 
+def empty_partial(q_grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result over no key yet: a zero output and `lse = -inf` for every query, ready to merge partials into."""
+    lse = torch.full(q_grouped.shape[:-1], float("-inf"), dtype=q_grouped.dtype, device=q_grouped.device)
+    return torch.zeros_like(q_grouped), lse
+
+
 def trunk_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,8 +159,7 @@ def trunk_forward(
     """
     merge_into = out is not None
     if not merge_into:
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        out, lse = empty_partial(q)
     if key_spans is None:
         key_spans = block_spans(key_positions, key_doc_ids, block_size)
     if query_spans is None:
@@ -250,6 +255,39 @@ def _grouped(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Te
     return q.unflatten(1, (num_kv_heads, q.shape[1] // num_kv_heads)).to(dtype)
 
 
+def grouped_backward_inputs(
+    dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`q` and `dout` grouped by key/value head in the compute dtype, and `delta = rowsum(dout * out)`: what every
+    backward driver starts from."""
+    dtype = _compute_dtype(q.dtype)
+    dout_grouped = _grouped(dout, num_kv_heads, dtype)
+    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    return _grouped(q, num_kv_heads, dtype), dout_grouped, delta
+
+
+def add_branch_partial(q_grouped, branch_k, branch_v, out, lse, *, scale):
+    """Merge the branch keys' partial result into the trunk's `(out, lse)` (nothing to do without a branch)."""
+    if branch_k is None:
+        return out, lse
+    dtype = q_grouped.dtype
+    branch_out, branch_lse = branch_forward(q_grouped, branch_k.to(dtype), branch_v.to(dtype), scale=scale)
+    return merge_attention_partials(out, lse, branch_out, branch_lse)
+
+
+def add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, *, scale):
+    """The branch keys' gradients in their own dtype (None, None without a branch); their share of dq is added to
+    `dq` in place."""
+    if branch_k is None:
+        return None, None
+    dtype = q_grouped.dtype
+    branch_dq, dbranch_k, dbranch_v = branch_backward(
+        dout_grouped, q_grouped, branch_k.to(dtype), branch_v.to(dtype), lse, delta, scale=scale
+    )
+    dq.add_(branch_dq)
+    return dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
+
+
 def branch_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -278,9 +316,7 @@ def branch_attention_forward(
         scale=scale,
         block_size=block_size,
     )
-    if branch_k is not None:
-        branch_out, branch_lse = branch_forward(q_grouped, branch_k.to(dtype), branch_v.to(dtype), scale=scale)
-        out, lse = merge_attention_partials(out, lse, branch_out, branch_lse)
+    out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
     return out.flatten(1, 2).to(q.dtype), lse
 
 
@@ -301,11 +337,8 @@ def branch_attention_backward(
     block_size: int,
 ) -> tuple[torch.Tensor, ...]:
     """Single-device backward; returns `dq, dk, dv, dbranch_k, dbranch_v` in the inputs' dtypes (None without branch)."""
-    dtype = _compute_dtype(q.dtype)
-    num_kv_heads = k.shape[1]
-    q_grouped = _grouped(q, num_kv_heads, dtype)
-    dout_grouped = _grouped(dout, num_kv_heads, dtype)
-    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, k.shape[1])
+    dtype = q_grouped.dtype
     query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
     dq, dk, dv = trunk_backward(
         dout_grouped,
@@ -321,13 +354,7 @@ def branch_attention_backward(
         scale=scale,
         block_size=block_size,
     )
-    dbranch_k = dbranch_v = None
-    if branch_k is not None:
-        branch_dq, dbranch_k, dbranch_v = branch_backward(
-            dout_grouped, q_grouped, branch_k.to(dtype), branch_v.to(dtype), lse, delta, scale=scale
-        )
-        dq.add_(branch_dq)
-        dbranch_k, dbranch_v = dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
+    dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
 
 

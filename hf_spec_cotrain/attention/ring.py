@@ -33,14 +33,15 @@ from .blockwise import (
     BLOCK_SIZE,
     _compute_dtype,
     _grouped,
+    add_branch_grads,
+    add_branch_partial,
     autocast_off,
-    branch_backward,
-    branch_forward,
+    empty_partial,
+    grouped_backward_inputs,
     trunk_backward,
     trunk_forward,
 )
 from .masks import BlockSpan, block_spans
-from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs
 
 
@@ -93,30 +94,6 @@ class ZigzagLayout:
         }
 
 
-def _empty_partial(q_grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    lse = torch.full(q_grouped.shape[:-1], float("-inf"), dtype=q_grouped.dtype, device=q_grouped.device)
-    return torch.zeros_like(q_grouped), lse
-
-
-def _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, *, scale):
-    if branch_k is None:
-        return out, lse
-    dtype = q_grouped.dtype
-    branch_out, branch_lse = branch_forward(q_grouped, branch_k.to(dtype), branch_v.to(dtype), scale=scale)
-    return merge_attention_partials(out, lse, branch_out, branch_lse)
-
-
-def _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, *, scale):
-    if branch_k is None:
-        return None, None
-    dtype = q_grouped.dtype
-    branch_dq, dbranch_k, dbranch_v = branch_backward(
-        dout_grouped, q_grouped, branch_k.to(dtype), branch_v.to(dtype), lse, delta, scale=scale
-    )
-    dq.add_(branch_dq)
-    return dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
-
-
 # ---------------------------------------------------------------------------------------------------- ring
 
 
@@ -135,7 +112,7 @@ def ring_branch_attention_forward(
     trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
     dtype = _compute_dtype(q.dtype)
     q_grouped = _grouped(q, k.shape[1], dtype)
-    out, lse = _empty_partial(q_grouped)
+    out, lse = empty_partial(q_grouped)
     key, value = k.contiguous(), v.contiguous()  # travel in the input dtype, computed on in the compute dtype
     comm = RingComm(layout.group)
     for step in range(layout.world_size):
@@ -155,7 +132,7 @@ def ring_branch_attention_forward(
         if more:
             comm.wait()
             key, value = next_key, next_value
-    out, lse = _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
     return out.flatten(1, 2).to(q.dtype), lse, (k, v)
 
 
@@ -178,11 +155,8 @@ def ring_branch_attention_backward(
     At step s this rank holds the K/V of rank r - s together with the dK/dV that ranks r - s .. r - 1 have
     accumulated for them; it adds its own and passes both on, so the sums arrive home after the last step.
     """
-    dtype = _compute_dtype(q.dtype)
-    num_kv_heads = k.shape[1]
-    q_grouped = _grouped(q, num_kv_heads, dtype)
-    dout_grouped = _grouped(dout, num_kv_heads, dtype)
-    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, k.shape[1])
+    dtype = q_grouped.dtype
     dq = torch.zeros_like(q_grouped)
     key, value = k.contiguous(), v.contiguous()
     world_size = layout.world_size
@@ -217,7 +191,7 @@ def ring_branch_attention_backward(
     if world_size > 1:
         dkv_comm.wait()
         dk, dv = dk_arriving, dv_arriving
-    dbranch_k, dbranch_v = _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
+    dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
 
 
@@ -242,7 +216,7 @@ def allgather_branch_attention_forward(
     """
     dtype = _compute_dtype(q.dtype)
     q_grouped = _grouped(q, k.shape[1], dtype)
-    out, lse = _empty_partial(q_grouped)
+    out, lse = empty_partial(q_grouped)
     keys, values = all_gather_stacked(k, layout.group), all_gather_stacked(v, layout.group)
     for source in range(layout.world_size):
         trunk_forward(
@@ -254,7 +228,7 @@ def allgather_branch_attention_forward(
             lse=lse,
             **layout.trunk_kwargs(source, block_size),
         )
-    out, lse = _add_branch_forward(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
     return out.flatten(1, 2).to(q.dtype), lse, (keys, values)
 
 
@@ -274,11 +248,8 @@ def allgather_branch_attention_backward(
 ) -> tuple[torch.Tensor, ...]:
     """All-gather backward on the K/V the forward gathered (`[W, B, Hkv, L/W, D]`): dK/dV for every shard,
     reduce-scattered to their owners."""
-    dtype = _compute_dtype(q.dtype)
-    num_kv_heads = keys.shape[2]
-    q_grouped = _grouped(q, num_kv_heads, dtype)
-    dout_grouped = _grouped(dout, num_kv_heads, dtype)
-    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
+    q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, keys.shape[2])
+    dtype = q_grouped.dtype
     dq = torch.zeros_like(q_grouped)
     dkeys = keys.new_empty(keys.shape, dtype=dtype)
     dvalues = values.new_empty(values.shape, dtype=dtype)
@@ -295,7 +266,7 @@ def allgather_branch_attention_backward(
             **layout.trunk_kwargs(source, block_size),
         )
     dk, dv = reduce_scatter_stacked(dkeys, layout.group), reduce_scatter_stacked(dvalues, layout.group)
-    dbranch_k, dbranch_v = _branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
+    dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
     return dq.flatten(1, 2).to(q.dtype), dk.to(keys.dtype), dv.to(values.dtype), dbranch_k, dbranch_v
 
 

@@ -116,6 +116,13 @@ class ParallelDims:
         return self.world_size
 
 
+def _refuse(setting: str, incompatible: dict[str, bool], reason: str) -> None:
+    """A ValueError naming every option of `incompatible` that is on, when one is."""
+    enabled = [name for name, value in incompatible.items() if value]
+    if enabled:
+        raise ValueError(f"{setting} cannot be combined with {enabled}: {reason}")
+
+
 def _check_context_parallel_options(config, *, deepspeed: bool, fsdp: bool) -> None:
     """Options that the context-parallel training step cannot honour."""
     incompatible = {
@@ -123,13 +130,12 @@ def _check_context_parallel_options(config, *, deepspeed: bool, fsdp: bool) -> N
         "deepspeed": deepspeed or config.deepspeed,
         "fsdp": fsdp or config.fsdp,
     }
-    enabled = [name for name, value in incompatible.items() if value]
-    if enabled:
-        raise ValueError(
-            f"`context_parallel_size`={config.context_parallel_size} cannot be combined with {enabled}: context "
-            "parallelism runs on DDP (or a single process per group) with the plain GRPO loss. Unset them or set "
-            "`context_parallel_size=1`."
-        )
+    _refuse(
+        f"`context_parallel_size`={config.context_parallel_size}",
+        incompatible,
+        "context parallelism runs on DDP (or a single process per group) with the plain GRPO loss. Unset them or set "
+        "`context_parallel_size=1`.",
+    )
 
 
 def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, peft: bool, tools: bool) -> None:
@@ -175,13 +181,12 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         ),
         f"eval_strategy={eval_strategy!r}": eval_strategy != "no",
     }
-    enabled = [name for name, value in incompatible.items() if value]
-    if enabled:
-        raise ValueError(
-            f"`pipeline_parallel_size`={size} cannot be combined with {enabled}: the pipelined step computes "
-            "TRL's default GRPO loss (loss_type='dapo', beta=0, token-level ratios) on plain processes, with "
-            "HF-native rollouts on rank 0. Change them or set `pipeline_parallel_size=1`."
-        )
+    _refuse(
+        f"`pipeline_parallel_size`={size}",
+        incompatible,
+        "the pipelined step computes TRL's default GRPO loss (loss_type='dapo', beta=0, token-level ratios) on plain "
+        "processes, with HF-native rollouts on rank 0. Change them or set `pipeline_parallel_size=1`.",
+    )
     if peft:
         raise ValueError(
             "`pipeline_parallel_size` > 1 cuts a plain HF model: not a PEFT policy (merge the adapter first, or set "
