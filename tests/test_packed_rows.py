@@ -1,6 +1,7 @@
 """The policy under context parallelism, on one process: packing TRL's rows, the transformers attention adapter,
-the log-probs against TRL's fused head, and the configuration checks. The multi-rank parity is in
-tests/distributed/test_policy_cp.py and tests/distributed/test_trainer_cp.py."""
+the log-probs against TRL's fused head, and the trainer's check of the world size. The config's checks are in
+tests/test_config.py; the multi-rank parity is in tests/distributed/test_policy_cp.py and
+tests/distributed/test_trainer_cp.py."""
 
 import pytest
 import torch
@@ -203,17 +204,6 @@ def test_attention_adapter_needs_documents_and_rejects_unsupported_options():
     model.model.layers[0].self_attn.attention_dropout = 0.1
     with zigzag_ring_attention(model), pytest.raises(ValueError, match="dropout=0.1"):
         policy_log_probs(model, rows)
-
-
-def test_config_checks_context_parallel_size(tmp_path):
-    for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="context_parallel_size"):
-            SpecCoTrainConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", context_parallel_size=bad)
-    with pytest.raises(ValueError, match=r"cannot be combined with \['use_liger_kernel'\]"):
-        SpecCoTrainConfig(
-            output_dir=str(tmp_path), use_cpu=True, report_to="none", context_parallel_size=2, use_liger_kernel=True
-        )
-    assert SpecCoTrainConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").context_parallel_size == 1
 
 
 def test_trainer_needs_a_world_size_divisible_by_the_context_parallel_size(tmp_path):

@@ -310,31 +310,6 @@ def test_push_draft_to_hub_hands_the_saved_folder_to_huggingface_hub(policy_dir,
     assert "Training-time-test steps | 3" in card
 
 
-def test_config_rejects_bad_values(tmp_path):
-    with pytest.raises(ValueError, match="ttt_steps`=0"):
-        _config(tmp_path, ttt_steps=0)
-    with pytest.raises(ValueError, match="num_speculative_tokens`=0"):
-        _config(tmp_path, num_speculative_tokens=0)
-    with pytest.raises(ValueError, match="draft_sampling`='eager'"):
-        _config(tmp_path, draft_sampling="eager")
-    with pytest.raises(ValueError, match="draft_model_name_or_path"):
-        _config(tmp_path, draft_model_name_or_path="x", draft_vocab_size=10)
-    for fraction in (0.0, 1.5, "half"):
-        with pytest.raises(ValueError, match="draft_train_fraction"):
-            _config(tmp_path, draft_train_fraction=fraction)
-    with pytest.raises(ValueError, match="draft_train_fraction`=0.5 cannot be combined"):
-        _config(tmp_path, draft_train_fraction=0.5, context_parallel_size=2)
-    with pytest.raises(ValueError, match="draft_learning_rate"):
-        _config(tmp_path, draft_learning_rate=0.0)
-    for value in ("yes", 1):
-        with pytest.raises(ValueError, match=f"draft_bf16`={value!r}"):
-            _config(tmp_path, draft_bf16=value)
-    with pytest.raises(ValueError, match="repetition_penalty=1.2"):
-        _config(tmp_path, repetition_penalty=1.2)
-    with pytest.raises(ValueError, match="SpecCoTrainConfig"):
-        SpecCoTrainGRPOTrainer(model="x", reward_funcs=upper_reward, args=GRPOConfig(**_grpo_kwargs(tmp_path)))
-
-
 def test_lora_policy_taps_adapted_model_and_rollouts_get_merged_weights(policy_dir, tmp_path):
     from peft import LoraConfig
 

@@ -1,6 +1,6 @@
 """Co-training under pipeline parallelism: two GRPO steps with `pipeline_parallel_size=2` on 2 gloo processes
-(torchrun) against the same steps in one plain process on the same rows (`pp_cotrain_script.py`); and the config's
-checks of the pipeline options."""
+(torchrun) against the same steps in one plain process on the same rows (`pp_cotrain_script.py`). The config's
+checks of the pipeline options are in tests/test_config.py."""
 
 from pathlib import Path
 
@@ -10,7 +10,6 @@ from pp_cotrain_script import run
 from safetensors.torch import load_file
 from torchrun_launch import run_torchrun
 
-from hf_spec_cotrain import SpecCoTrainConfig
 from hf_spec_cotrain.testing import save_tiny_target
 
 
@@ -92,48 +91,3 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path):
                 assert logged[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
             assert logged["draft/loss"] > 0
     assert all(entry["spec/acceptance_length"] >= 1 for entry in pp[0]["step_logs"])
-
-
-BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_generations": 4}
-
-
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"pipeline_parallel_size": 0}, "`pipeline_parallel_size`=0"),
-        ({"pipeline_parallel_size": 1.5}, "`pipeline_parallel_size`=1.5"),
-        ({"pipeline_schedule": "interleaved"}, "`pipeline_schedule`='interleaved'"),
-        ({"pipeline_tap_transport": "nccl"}, "`pipeline_tap_transport`='nccl'"),
-        ({"pipeline_num_microbatches": 2}, "`pipeline_num_microbatches`=2"),
-        ({"pipeline_parallel_size": 8, "per_device_train_batch_size": 8}, "`pipeline_num_microbatches`=4 is"),
-        (
-            {"per_device_train_batch_size": 6, "num_generations": 3, "pipeline_num_microbatches": 8},
-            "`pipeline_num_microbatches`=8 does not divide the step's 12 rows",
-        ),
-        ({"use_vllm": True}, "'use_vllm'"),
-        ({"beta": 0.04}, "'beta=0.04'"),
-        ({"loss_type": "grpo"}, "\"loss_type='grpo'\""),
-        ({"context_parallel_size": 2}, "context_parallel_size"),
-        ({"draft_bf16": True}, "'draft_bf16=True'"),
-        ({"steps_per_generation": 2}, "gradient_accumulation_steps not a multiple"),
-        ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'"),
-    ],
-)
-def test_config_rejects_pipeline_options_it_cannot_honour(options, named):
-    kwargs = {**BASE, "pipeline_parallel_size": 2, "per_device_train_batch_size": 4, **options}
-    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("+", r"\+")):
-        SpecCoTrainConfig(**kwargs)
-
-
-def test_config_accepts_pipeline_options():
-    config = SpecCoTrainConfig(
-        **BASE,
-        per_device_train_batch_size=4,
-        pipeline_parallel_size=4,
-        pipeline_schedule="GPipe",
-        pipeline_num_microbatches=8,
-        pipeline_tap_transport="relay",
-    )
-    assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
-    # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).
-    assert SpecCoTrainConfig(**BASE, per_device_train_batch_size=4, beta=0.04).pipeline_parallel_size == 1
