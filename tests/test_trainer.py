@@ -10,7 +10,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
-from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer
 
 
 PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
@@ -21,19 +21,8 @@ def upper_reward(completions, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    return str(
-        save_tiny_target(
-            tmp_path_factory.mktemp("policy"),
-            "llama",
-            num_layers=8,
-            hidden_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=128,
-        )
-    )
+def policy_dir(tiny_policy_dir):
+    return str(tiny_policy_dir)
 
 
 def _dataset():

@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 from cp_cotrain_script import run
+from tiny_policy import save_tiny_policy
 from torchrun_launch import run_torchrun
-
-from hf_spec_cotrain.testing import save_tiny_target
 
 
 pytestmark = pytest.mark.distributed
@@ -31,16 +30,8 @@ def assert_close(actual: dict, expected: dict, what: str, *, relative_to_max: bo
 
 
 def test_context_parallel_steps_equal_the_single_process_steps(tmp_path):
-    policy_dir = save_tiny_target(
-        tmp_path / "policy",
-        "qwen3",
-        num_layers=8,
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=96,
-    )
+    # Qwen3: the one trainer run of a family with q/k norms, under the ring attention.
+    policy_dir = save_tiny_policy(tmp_path / "policy", family="qwen3")
     cp = run_context_parallel(policy_dir, tmp_path / "cp")
     threads = torch.get_num_threads()
     try:

@@ -10,8 +10,6 @@ from pp_cotrain_script import run
 from safetensors.torch import load_file
 from torchrun_launch import run_torchrun
 
-from hf_spec_cotrain.testing import save_tiny_target
-
 
 SCRIPT = Path(__file__).with_name("pp_cotrain_script.py")
 DRAFT_METRICS = ["draft/loss", "draft/loss_step_0", "draft/loss_step_1", "draft/accuracy_step_1", "draft/grad_norm"]
@@ -32,17 +30,8 @@ def assert_close(actual: dict, expected: dict, what: str, *, relative_to_max: bo
 
 
 @pytest.mark.distributed
-def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path):
-    policy_dir = save_tiny_target(
-        tmp_path / "policy",
-        "llama",
-        num_layers=8,
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=96,
-    )
+def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    policy_dir = tiny_policy_dir
     pp = run_pipeline_parallel(policy_dir, tmp_path / "pp")
     threads = torch.get_num_threads()
     try:
