@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -295,7 +296,12 @@ def test_push_draft_to_hub_hands_the_saved_folder_to_huggingface_hub(policy_dir,
     assert "me/tiny-eagle3" in card and "vllm serve" in card and "sglang" in card
     assert "[2, 4, 5]" in card  # tap ids
     assert "60 of" in card  # draft vocabulary
-    assert "| 1 |" in card and "| 2 |" in card or "| 0 |" in card  # the acceptance trajectory
+    # The acceptance trajectory: one row per training step (rollouts at global steps 0 and 1) in the table under
+    # "Acceptance during RL" (the card's other tables also hold rows such as "| Draft layers | 1 |").
+    acceptance = card.split("## Acceptance during RL", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| (\d+\.\d{3}) \|$", acceptance, flags=re.MULTILINE)
+    assert [int(step) for step, _ in rows] == [0, 1] and all(float(value) >= 1 for _, value in rows)
+    assert rows == [(str(step), f"{value:.3f}") for step, value in trainer.rollouts.acceptance_history]
     assert "Training-time-test steps | 3" in card
 
 
