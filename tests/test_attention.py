@@ -578,7 +578,7 @@ def test_block_forward_rows_without_visible_keys():
 
 
 def zigzag_indices(doc_lengths: list[int], *, rank: int, world_size: int) -> torch.Tensor:
-    """Global positions held by `rank` in the zigzag layout of DESIGN.md section 5."""
+    """Global positions held by `rank` in the zigzag layout of docs/design.md section 5."""
     held, start = [], 0
     for length in doc_lengths:
         chunk = length // (2 * world_size)

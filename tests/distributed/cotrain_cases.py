@@ -161,7 +161,9 @@ class ChecksumRecorder(TrainerCallback):
         self.checksums = []
         self.policy_checksums = []
 
-    def on_step_end(self, args, state, control, **kwargs):  # runs after the draft update callback
+    def on_step_end(
+        self, args, state, control, **kwargs
+    ):  # runs after `DraftUpdateCallback` (the trainer adds it first)
         params = [p.detach().double() for p in self.trainer.draft.parameters()]
         self.checksums.append([float(p.sum()) for p in params] + [float((p * p).sum()) for p in params])
         policy = [local_shard(p).detach().double() for p in self.trainer.model.parameters()]
