@@ -161,9 +161,8 @@ class ChecksumRecorder(TrainerCallback):
         self.checksums = []
         self.policy_checksums = []
 
-    def on_step_end(
-        self, args, state, control, **kwargs
-    ):  # runs after `DraftUpdateCallback` (the trainer adds it first)
+    # Runs after `DraftUpdateCallback`, which the trainer adds first: the draft has taken this step's update.
+    def on_step_end(self, args, state, control, **kwargs):
         params = [p.detach().double() for p in self.trainer.draft.parameters()]
         self.checksums.append([float(p.sum()) for p in params] + [float((p * p).sum()) for p in params])
         policy = [local_shard(p).detach().double() for p in self.trainer.model.parameters()]
