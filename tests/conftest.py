@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny targets and EAGLE-3 drafts written once per session, and one vLLM engine at a time.
+"""Shared fixtures: tiny targets, the trainer tests' tiny policy and EAGLE-3 drafts written once per session, and one
+vLLM engine at a time.
 
 Starting a vLLM engine costs 10-30 s on CPU and the machine runs one at a time, so engines come from a
 session-wide pool that keeps a single engine alive and closes it before starting a different one.
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_policy import save_tiny_policy
 from transformers import AutoModelForCausalLM
 from vllm_test_utils import hf_greedy, tiny_prompts
 
@@ -43,6 +45,12 @@ def tiny_target_dir(tmp_path_factory) -> Callable[[str], Path]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_target_dir) -> Path:
     return tiny_target_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory) -> Path:
+    """The folder of the trainer tests' tiny policy (tests/tiny_policy.py), written on first use."""
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
 
 
 def _noisy_pass_through_draft(target, *, draft_vocab_size: int, token_counts: torch.Tensor, seed: int, noise: float):

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_spec_cotrain import parallel
 from hf_spec_cotrain.attention import BLOCK_SIZE, branch_attention, branch_attention_reference
 from hf_spec_cotrain.attention.blockwise import block_forward, trunk_backward, trunk_forward
 from hf_spec_cotrain.attention.masks import (
@@ -439,6 +440,13 @@ def test_invalid_block_size(block_size):
         branch_attention(**_drop_grad(_valid()), block_size=block_size)
 
 
+def test_invalid_cp_mode():
+    q = torch.randn(1, 2, 4, 4)
+    k = torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match=r"cp_mode must be one of \('ring', 'allgather'\), got 'ulysses'"):
+        branch_attention(q, k, k, cp_mode="ulysses")
+
+
 def test_document_ids_and_positions():
     cu_seqlens = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
     assert document_ids(cu_seqlens).tolist() == [0, 0, 2, 2, 2, 3]
@@ -483,6 +491,35 @@ def test_block_spans_start_documents_that_do_not_fit_on_a_new_block(doc_lengths,
     doc_ids = document_ids(cu_seqlens)
     spans = block_spans(torch.arange(doc_ids.numel()), doc_ids, block_size)
     assert [span.start for span in spans] == starts
+
+
+def test_block_spans_of_zigzag_shards_cut_at_chunks_and_merge_short_pieces():
+    generator = torch.Generator().manual_seed(0)
+
+    def randint(low, high):  # inclusive
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    for trial in range(200):
+        world_size, block_size = randint(1, 4), randint(1, 9)
+        # Half the trials: chunks are whole numbers of blocks, so no block may mix two chunks.
+        aligned = trial % 2 == 0
+        unit = 2 * world_size * (block_size if aligned else 1)
+        lengths = [unit * randint(0, 11) for _ in range(randint(1, 5))]
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        positions = parallel.zigzag_indices(randint(0, world_size - 1), world_size, cu_seqlens=cu_seqlens)
+        doc_ids = torch.searchsorted(cu_seqlens, positions, right=True) - 1
+        spans = block_spans(positions, doc_ids, block_size)
+        assert [span.start for span in spans] == [0, *(span.end for span in spans[:-1])][: len(spans)]
+        assert (spans[-1].end if spans else 0) == positions.numel()
+        for index, span in enumerate(spans):
+            block = slice(span.start, span.end)
+            assert 1 <= span.end - span.start <= block_size
+            assert (span.pos_min, span.pos_max) == (int(positions[block].min()), int(positions[block].max()))
+            assert (span.doc_min, span.doc_max) == (int(doc_ids[block].min()), int(doc_ids[block].max()))
+            if aligned:
+                assert bool((positions[block].diff() == 1).all()), "a block mixes two zigzag chunks"
+            if index + 1 < len(spans):  # greedy: a block is closed only when the next piece does not fit
+                assert spans[index + 1].end - span.start > block_size
 
 
 def test_block_visibility_skips_other_documents_and_future():
@@ -541,7 +578,7 @@ def test_block_forward_rows_without_visible_keys():
 
 
 def zigzag_indices(doc_lengths: list[int], *, rank: int, world_size: int) -> torch.Tensor:
-    """Global positions held by `rank` in the zigzag layout of DESIGN.md section 5."""
+    """Global positions held by `rank` in the zigzag layout of docs/design.md section 5."""
     held, start = [], 0
     for length in doc_lengths:
         chunk = length // (2 * world_size)

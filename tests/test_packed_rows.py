@@ -1,6 +1,7 @@
 """The policy under context parallelism, on one process: packing TRL's rows, the transformers attention adapter,
-the log-probs against TRL's fused head, and the configuration checks. The multi-rank parity is in
-tests/distributed/test_policy_cp.py and tests/distributed/test_trainer_cp.py."""
+the log-probs against TRL's fused head, and the trainer's check of the world size. The config's checks are in
+tests/test_config.py; the multi-rank parity is in tests/distributed/test_policy_cp.py and
+tests/distributed/test_trainer_cp.py."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hf_spec_cotrain.parallel.packed_rows import (
     pack_rows,
     policy_log_probs,
 )
-from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
 
 PAD = 0
@@ -205,23 +206,9 @@ def test_attention_adapter_needs_documents_and_rejects_unsupported_options():
         policy_log_probs(model, rows)
 
 
-def test_config_checks_context_parallel_size(tmp_path):
-    for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="context_parallel_size"):
-            SpecCoTrainConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", context_parallel_size=bad)
-    with pytest.raises(ValueError, match=r"cannot be combined with \['use_liger_kernel'\]"):
-        SpecCoTrainConfig(
-            output_dir=str(tmp_path), use_cpu=True, report_to="none", context_parallel_size=2, use_liger_kernel=True
-        )
-    assert SpecCoTrainConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").context_parallel_size == 1
-
-
-def test_trainer_needs_a_world_size_divisible_by_the_context_parallel_size(tmp_path):
+def test_trainer_needs_a_world_size_divisible_by_the_context_parallel_size(tmp_path, tiny_policy_dir):
     from datasets import Dataset
 
-    policy = save_tiny_target(
-        tmp_path / "policy", num_layers=8, hidden_size=64, num_attention_heads=2, num_key_value_heads=1
-    )
     config = SpecCoTrainConfig(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -232,7 +219,7 @@ def test_trainer_needs_a_world_size_divisible_by_the_context_parallel_size(tmp_p
     )
     with pytest.raises(ValueError, match=r"must divide the world size \(1 processes\)"):
         SpecCoTrainGRPOTrainer(
-            model=str(policy),
+            model=str(tiny_policy_dir),
             reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
             args=config,
             train_dataset=Dataset.from_dict({"prompt": ["abc", "defg"]}),

@@ -1,5 +1,6 @@
 """`ParallelDims` in one process: the sizes, the checks against the world size, the data-parallel degree, and the
-run-time facts the trainer adds to the config's checks. The group building is in tests/distributed."""
+run-time facts the trainer adds to the config's checks. The group building is in
+tests/distributed/test_parallel_dims_groups.py."""
 
 import pytest
 

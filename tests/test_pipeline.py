@@ -3,27 +3,19 @@
 import pytest
 import torch
 from datasets import Dataset
+from tiny_policy import save_tiny_policy
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain.parallel.pipeline import stage_layer_ranges
-from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer
 from hf_spec_cotrain.training.pipeline_step import grpo_loss, grpo_per_token_logps
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    return str(
-        save_tiny_target(
-            tmp_path_factory.mktemp("policy"),
-            "qwen3",
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=96,
-        )
-    )
+    # A smaller policy than the shared one: the old log-probs of `_inputs` are drawn so that this policy's ratios
+    # fall outside the clipping range on both sides.
+    return str(save_tiny_policy(tmp_path_factory.mktemp("policy"), family="qwen3", num_layers=2, intermediate_size=96))
 
 
 def _trl_trainer(policy_dir, tmp_path, **overrides):

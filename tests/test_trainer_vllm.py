@@ -5,25 +5,15 @@ import torch
 from datasets import Dataset
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
-from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer
 
 
 pytestmark = pytest.mark.vllm
 PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
 
 
-def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool):
+def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool, tiny_policy_dir):
     vllm_engine_pool.close()  # one engine at a time: the trainer builds its own
-    policy_dir = save_tiny_target(
-        tmp_path / "policy",
-        "llama",
-        num_layers=8,
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-    )
     config = SpecCoTrainConfig(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -44,7 +34,7 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         vllm_max_model_length=128,
     )
     trainer = SpecCoTrainGRPOTrainer(
-        model=str(policy_dir),
+        model=str(tiny_policy_dir),
         reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
         args=config,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),

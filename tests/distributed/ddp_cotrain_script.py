@@ -1,7 +1,8 @@
 """Run by tests/distributed/test_trainer_ddp.py under `torchrun --nproc_per_node 2` (gloo, CPU).
 
 Trains a tiny policy with co-training for a few steps and records, after every step, checksums of the
-draft and the policy on this rank, plus the local (pre-averaging) draft gradients of the first update.
+draft and the policy on this rank, plus the local (pre-averaging) draft gradients of the first update (the
+recorders are cotrain_cases.py's).
 
 Mode ``ddp`` runs accelerate's DDP. Mode ``fsdp2`` shards the policy with FSDP2 (``fully_shard`` per decoder
 layer); accelerate only enables FSDP on accelerators, so this script switches its CPU state to FSDP2 itself,
@@ -15,29 +16,11 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from cotrain_cases import ChecksumRecorder, record_local_draft_gradients
 from datasets import Dataset
-from transformers import TrainerCallback
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.testing import build_char_tokenizer
-
-
-class DraftRecorder(TrainerCallback):
-    def __init__(self):
-        self.trainer = None
-        self.checksums = []
-        self.policy_checksums = []
-
-    def on_step_end(self, args, state, control, **kwargs):  # runs after the draft update callback
-        params = [p.detach().double() for p in self.trainer.draft.parameters()]
-        self.checksums.append([float(p.sum()) for p in params] + [float((p * p).sum()) for p in params])
-        policy = [_local(p).detach().double() for p in self.trainer.model.parameters()]
-        self.policy_checksums.append(sum(float((p * p).sum()) for p in policy))
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 parameter (a DTensor), or the parameter itself."""
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def _switch_accelerate_to_fsdp2_on_cpu() -> None:
@@ -86,21 +69,9 @@ def main(mode: str, policy_dir: str, out_dir: str) -> None:
         train_dataset=prompts,
         processing_class=build_char_tokenizer(),
     )
-    recorder = DraftRecorder()
-    recorder.trainer = trainer
+    recorder = ChecksumRecorder(trainer)
     trainer.add_callback(recorder)
-
-    local_grads = {}
-    update = trainer.draft_cotrainer.update
-
-    def recording_update(*, step):
-        if not local_grads:
-            local_grads.update(
-                {n: p.grad.double().sum().item() for n, p in trainer.draft.named_parameters() if p.grad is not None}
-            )
-        update(step=step)
-
-    trainer.draft_cotrainer.update = recording_update
+    local_grads = record_local_draft_gradients(trainer)
     trainer.train()
     rank = trainer.accelerator.process_index
     Path(out_dir, f"rank{rank}.json").write_text(

@@ -11,12 +11,12 @@ from process_pool import subgroup
 
 from hf_spec_cotrain.attention import blockwise, branch_attention, branch_attention_reference
 from hf_spec_cotrain.attention.api import CP_MODES
-from hf_spec_cotrain.attention.masks import block_spans
 from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS
-from hf_spec_cotrain.parallel import zigzag_indices, zigzag_shard
+from hf_spec_cotrain.parallel import zigzag_shard
 from hf_spec_cotrain.parallel.comm import RingComm
 
 
+pytestmark = pytest.mark.distributed
 POOL_WORLD_SIZE = 4
 NAMES = ("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v")
 
@@ -133,7 +133,6 @@ def check_cases(size: int, mode: str, cases_per_group: list[list[dict]]) -> int:
     return checked
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("mode", CP_MODES)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_matches_dense_reference(cp_pool, world_size, mode):
@@ -174,7 +173,6 @@ def check_bfloat16(size: int) -> float:
     return worst
 
 
-@pytest.mark.distributed
 def test_bfloat16_close_to_float64(cp_pool):
     errors = cp_pool.run(check_bfloat16, 2)
     assert max(errors) < 1e-2, errors
@@ -218,7 +216,6 @@ def count_block_pairs(mode: str) -> tuple[int, int, int, int]:
     return (*ring_counts, *single_counts)
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("mode", CP_MODES)
 def test_invisible_chunks_are_skipped(cp_pool, mode):
     """Per rank: its 3 local (query chunk, key chunk) pairs, then 2 per other rank (an earlier rank's first chunk is
@@ -259,7 +256,6 @@ def ring_comm_protocol() -> list[float]:
     return received.tolist()
 
 
-@pytest.mark.distributed
 def test_ring_comm_protocol(cp_pool):
     received = cp_pool.run(ring_comm_protocol)
     # Ranks 0,1 form one ring and 2,3 another; rank r sent 10 r + (its rank in the ring) to its neighbour.
@@ -284,43 +280,6 @@ def invalid_inputs(mode: str) -> None:
         branch_attention(torch.randn(1, 3, 6, 4), k2, k2, cp_group=group, cp_mode=mode)
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("mode", CP_MODES)
 def test_invalid_inputs_raise_on_every_rank(cp_pool, mode):
     cp_pool.run(invalid_inputs, mode)
-
-
-def test_invalid_cp_mode():
-    q = torch.randn(1, 2, 4, 4)
-    k = torch.randn(1, 1, 4, 4)
-    with pytest.raises(ValueError, match=r"cp_mode must be one of \('ring', 'allgather'\), got 'ulysses'"):
-        branch_attention(q, k, k, cp_mode="ulysses")
-
-
-def test_block_spans_of_zigzag_shards_cut_at_chunks_and_merge_short_pieces():
-    generator = torch.Generator().manual_seed(0)
-
-    def randint(low, high):  # inclusive
-        return int(torch.randint(low, high + 1, (), generator=generator))
-
-    for trial in range(200):
-        world_size, block_size = randint(1, 4), randint(1, 9)
-        # Half the trials: chunks are whole numbers of blocks, so no block may mix two chunks.
-        aligned = trial % 2 == 0
-        unit = 2 * world_size * (block_size if aligned else 1)
-        lengths = [unit * randint(0, 11) for _ in range(randint(1, 5))]
-        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        positions = zigzag_indices(randint(0, world_size - 1), world_size, cu_seqlens=cu_seqlens)
-        doc_ids = torch.searchsorted(cu_seqlens, positions, right=True) - 1
-        spans = block_spans(positions, doc_ids, block_size)
-        assert [span.start for span in spans] == [0, *(span.end for span in spans[:-1])][: len(spans)]
-        assert (spans[-1].end if spans else 0) == positions.numel()
-        for index, span in enumerate(spans):
-            block = slice(span.start, span.end)
-            assert 1 <= span.end - span.start <= block_size
-            assert (span.pos_min, span.pos_max) == (int(positions[block].min()), int(positions[block].max()))
-            assert (span.doc_min, span.doc_max) == (int(doc_ids[block].min()), int(doc_ids[block].max()))
-            if aligned:
-                assert bool((positions[block].diff() == 1).all()), "a block mixes two zigzag chunks"
-            if index + 1 < len(spans):  # greedy: a block is closed only when the next piece does not fit
-                assert spans[index + 1].end - span.start > block_size

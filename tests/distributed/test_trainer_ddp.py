@@ -11,26 +11,14 @@ from pathlib import Path
 import pytest
 from torchrun_launch import run_torchrun
 
-from hf_spec_cotrain.testing import save_tiny_target
-
 
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).with_name("ddp_cotrain_script.py")
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path, mode):
-    policy_dir = save_tiny_target(
-        tmp_path / "policy",
-        "llama",
-        num_layers=8,
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-    )
-    run_torchrun(SCRIPT, mode, policy_dir, tmp_path / "out", log=tmp_path / "torchrun.log")
+def test_draft_gradients_are_averaged_and_draft_identical_on_every_rank(tmp_path, mode, tiny_policy_dir):
+    run_torchrun(SCRIPT, mode, tiny_policy_dir, tmp_path / "out", log=tmp_path / "torchrun.log")
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(rank["world_size"] == 2 for rank in ranks)
     assert all(rank["fsdp"] == (mode == "fsdp2") for rank in ranks)

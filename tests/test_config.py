@@ -1,0 +1,166 @@
+"""`SpecCoTrainConfig`'s checks, by topic: the draft, training-time test (TTT), speculative rollouts, context
+parallelism (CP) and pipeline parallelism (PP).
+
+Every check here runs when the config is built. Those that need the world size or the run (DeepSpeed, FSDP, PEFT,
+tools) are `ParallelDims.from_config`'s, in tests/test_parallel_dims.py; the trainer's own refusals under CP are in
+tests/test_packed_rows.py.
+"""
+
+import pytest
+from trl import GRPOConfig
+
+from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+
+
+def _run_kwargs(tmp_path) -> dict:
+    """The GRPO run of tests/test_trainer.py, so that each case differs from a valid config by its options only."""
+    return dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        temperature=1.0,
+        seed=7,
+        shuffle_dataset=False,
+    )
+
+
+def _config(tmp_path, **overrides) -> SpecCoTrainConfig:
+    return SpecCoTrainConfig(
+        **_run_kwargs(tmp_path) | {"draft_learning_rate": 1e-3, "draft_warmup_steps": 0} | overrides
+    )
+
+
+def _rejected(tmp_path, options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _config(tmp_path, **options)
+
+
+# --- The draft ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        pytest.param({"draft_model_name_or_path": "x", "draft_vocab_size": 10}, "draft_model_name_or_path", id="path"),
+        *[
+            pytest.param({"draft_train_fraction": fraction}, "draft_train_fraction", id=f"fraction={fraction!r}")
+            for fraction in (0.0, 1.5, "half")
+        ],
+        pytest.param({"draft_learning_rate": 0.0}, "draft_learning_rate", id="lr"),
+        *[pytest.param({"draft_bf16": value}, f"draft_bf16`={value!r}", id=f"bf16={value!r}") for value in ("yes", 1)],
+    ],
+)
+def test_config_rejects_bad_draft_options(tmp_path, options, match):
+    _rejected(tmp_path, options, match)
+
+
+def test_trainer_rejects_a_config_that_is_not_a_spec_cotrain_config(tmp_path):
+    with pytest.raises(ValueError, match="SpecCoTrainConfig"):
+        SpecCoTrainGRPOTrainer(
+            model="x",
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=GRPOConfig(**_run_kwargs(tmp_path)),
+        )
+
+
+# --- Training-time test ------------------------------------------------------------------------------------------
+
+
+def test_config_rejects_bad_ttt_options(tmp_path):
+    _rejected(tmp_path, {"ttt_steps": 0}, "ttt_steps`=0")
+
+
+# --- Speculative rollouts ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens`=0"),
+        ({"draft_sampling": "eager"}, "draft_sampling`='eager'"),
+        # HF-native speculative rollouts sample with temperature, top_p and top_k only.
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+    ],
+)
+def test_config_rejects_bad_speculative_rollout_options(tmp_path, options, match):
+    _rejected(tmp_path, options, match)
+
+
+# --- Context parallelism -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_config_checks_context_parallel_size(tmp_path, bad):
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        SpecCoTrainConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", context_parallel_size=bad)
+
+
+def test_config_rejects_options_context_parallelism_cannot_honour(tmp_path):
+    with pytest.raises(ValueError, match=r"cannot be combined with \['use_liger_kernel'\]"):
+        SpecCoTrainConfig(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", context_parallel_size=2, use_liger_kernel=True
+        )
+    _rejected(
+        tmp_path,
+        {"draft_train_fraction": 0.5, "context_parallel_size": 2},
+        "draft_train_fraction`=0.5 cannot be combined",
+    )
+
+
+def test_context_parallel_size_defaults_to_one(tmp_path):
+    assert SpecCoTrainConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").context_parallel_size == 1
+
+
+# --- Pipeline parallelism ----------------------------------------------------------------------------------------
+
+PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_generations": 4}
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"pipeline_parallel_size": 0}, "`pipeline_parallel_size`=0"),
+        ({"pipeline_parallel_size": 1.5}, "`pipeline_parallel_size`=1.5"),
+        ({"pipeline_schedule": "interleaved"}, "`pipeline_schedule`='interleaved'"),
+        ({"pipeline_tap_transport": "nccl"}, "`pipeline_tap_transport`='nccl'"),
+        ({"pipeline_num_microbatches": 2}, "`pipeline_num_microbatches`=2"),
+        ({"pipeline_parallel_size": 8, "per_device_train_batch_size": 8}, "`pipeline_num_microbatches`=4 is"),
+        (
+            {"per_device_train_batch_size": 6, "num_generations": 3, "pipeline_num_microbatches": 8},
+            "`pipeline_num_microbatches`=8 does not divide the step's 12 rows",
+        ),
+        ({"use_vllm": True}, "'use_vllm'"),
+        ({"beta": 0.04}, "'beta=0.04'"),
+        ({"loss_type": "grpo"}, "\"loss_type='grpo'\""),
+        ({"context_parallel_size": 2}, "context_parallel_size"),
+        ({"draft_bf16": True}, "'draft_bf16=True'"),
+        ({"steps_per_generation": 2}, "gradient_accumulation_steps not a multiple"),
+        ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'"),
+    ],
+)
+def test_config_rejects_pipeline_options_it_cannot_honour(options, named):
+    kwargs = {**PP_BASE, "pipeline_parallel_size": 2, "per_device_train_batch_size": 4, **options}
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("+", r"\+")):
+        SpecCoTrainConfig(**kwargs)
+
+
+def test_config_accepts_pipeline_options():
+    config = SpecCoTrainConfig(
+        **PP_BASE,
+        per_device_train_batch_size=4,
+        pipeline_parallel_size=4,
+        pipeline_schedule="GPipe",
+        pipeline_num_microbatches=8,
+        pipeline_tap_transport="relay",
+    )
+    assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
+    # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).
+    assert SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, beta=0.04).pipeline_parallel_size == 1

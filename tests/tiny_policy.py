@@ -1,0 +1,28 @@
+"""The tiny policy of the trainer tests, one spec for all of them (a module, not conftest: see vllm_test_utils).
+
+Tests take the folder from the session fixture `tiny_policy_dir` (tests/conftest.py); code that no fixture reaches
+(a script run under torchrun or mp.spawn) calls `save_tiny_policy`. What the tests rely on: 8 layers (the default
+taps of an 8-layer target are layers 2, 4 and 5; a 2-stage pipeline splits them 4 + 4), the Llama family (FSDP2
+wraps `LlamaDecoderLayer`), and head_dim 32, the smallest vLLM-CPU's attention takes.
+"""
+
+from pathlib import Path
+
+from hf_spec_cotrain.testing import save_tiny_target
+
+
+TINY_POLICY_SPEC = {
+    "family": "llama",
+    "num_layers": 8,
+    "hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "intermediate_size": 128,
+}
+
+
+def save_tiny_policy(folder: str | Path, **overrides) -> Path:
+    """Save the tiny policy (`TINY_POLICY_SPEC`, updated with `overrides`) to `folder`; returns the folder."""
+    spec = TINY_POLICY_SPEC | overrides
+    return save_tiny_target(folder, spec.pop("family"), **spec)
