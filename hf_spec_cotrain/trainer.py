@@ -373,15 +373,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
 
     def _target_name(self) -> str:
-        if self.args.hub_model_id:
-            return self.args.hub_model_id
-        return self._policy().config._name_or_path or "policy"
+        return self.args.hub_model_id or self._policy().config._name_or_path or "policy"
 
     def _draft_repo_id(self) -> str:
-        if self.args.draft_hub_model_id:
-            return self.args.draft_hub_model_id
         base = self.args.hub_model_id or Path(self.args.output_dir).name
-        return f"{base}-eagle3"
+        return self.args.draft_hub_model_id or f"{base}-eagle3"
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         pipeline = isinstance(self.parallel_step, PipelineParallelStep)
