@@ -7,34 +7,15 @@ tests/test_packed_rows.py.
 """
 
 import pytest
+from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 
 
-def _run_kwargs(tmp_path) -> dict:
-    """The GRPO run of tests/test_trainer.py, so that each case differs from a valid config by its options only."""
-    return dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=3,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-3,
-        temperature=1.0,
-        seed=7,
-        shuffle_dataset=False,
-    )
-
-
 def _config(tmp_path, **overrides) -> SpecCoTrainConfig:
     return SpecCoTrainConfig(
-        **_run_kwargs(tmp_path) | {"draft_learning_rate": 1e-3, "draft_warmup_steps": 0} | overrides
+        **tiny_grpo_kwargs(tmp_path) | {"draft_learning_rate": 1e-3, "draft_warmup_steps": 0} | overrides
     )
 
 
@@ -67,7 +48,7 @@ def test_trainer_rejects_a_config_that_is_not_a_spec_cotrain_config(tmp_path):
         SpecCoTrainGRPOTrainer(
             model="x",
             reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-            args=GRPOConfig(**_run_kwargs(tmp_path)),
+            args=GRPOConfig(**tiny_grpo_kwargs(tmp_path)),
         )
 
 

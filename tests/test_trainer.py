@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
@@ -30,31 +31,10 @@ def _dataset():
     return Dataset.from_dict({"prompt": PROMPTS})
 
 
-def _grpo_kwargs(tmp_path, **overrides):
-    base = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=3,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-3,
-        temperature=1.0,
-        seed=7,
-        shuffle_dataset=False,
-    )
-    base.update(overrides)
-    return base
-
-
 def _config(tmp_path, **overrides):
     spec = {"draft_learning_rate": 1e-3, "draft_warmup_steps": 0}
     spec.update({k: overrides.pop(k) for k in list(overrides) if k not in GRPOConfig.__dataclass_fields__})
-    return SpecCoTrainConfig(**_grpo_kwargs(tmp_path, **overrides), **spec)
+    return SpecCoTrainConfig(**tiny_grpo_kwargs(tmp_path, **overrides), **spec)
 
 
 def _trainer(policy_dir, config, **kwargs):
@@ -158,7 +138,7 @@ def test_no_extra_target_forward_and_policy_bitwise_unchanged(policy_dir, tmp_pa
     plain = GRPOTrainer(
         model=policy_dir,
         reward_funcs=upper_reward,
-        args=GRPOConfig(**_grpo_kwargs(tmp_path / "off")),
+        args=GRPOConfig(**tiny_grpo_kwargs(tmp_path / "off")),
         train_dataset=_dataset(),
         processing_class=build_char_tokenizer(),
     )

@@ -26,3 +26,24 @@ def save_tiny_policy(folder: str | Path, **overrides) -> Path:
     """Save the tiny policy (`TINY_POLICY_SPEC`, updated with `overrides`) to `folder`; returns the folder."""
     spec = TINY_POLICY_SPEC | overrides
     return save_tiny_target(folder, spec.pop("family"), **spec)
+
+
+def tiny_grpo_kwargs(tmp_path, **overrides) -> dict:
+    """The `GRPOConfig` fields of the trainer tests' short GRPO run on the tiny policy (4 rows of 4 generations,
+    12-token completions, 3 steps, no shuffling), updated with `overrides`."""
+    return {
+        "output_dir": str(tmp_path),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 12,
+        "max_steps": 3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "learning_rate": 1e-3,
+        "temperature": 1.0,
+        "seed": 7,
+        "shuffle_dataset": False,
+    } | overrides
