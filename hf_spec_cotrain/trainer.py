@@ -117,13 +117,13 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             metrics=self._metrics,
             policy=lambda: self.accelerator.unwrap_model(self.model),
             engine=engine,
+            generates_for_all_ranks=self.parallel_dims.pp_enabled,
         )
         self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
         if self.parallel_dims.cp_enabled:
             self.parallel_step = ContextParallelStep(self, self.parallel_dims.build_context_parallel_group())
         elif self.parallel_dims.pp_enabled:
             self.parallel_step = PipelineParallelStep(self)
-            self.rollouts.generates_for_all_ranks = True
 
     @property
     def draft_optimizer(self) -> torch.optim.Optimizer:
@@ -213,7 +213,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         loss_mask = torch.cat([torch.zeros_like(inputs["prompt_mask"]), completion_mask], dim=1)
         cotrainer = self.draft_cotrainer
         rows = cotrainer.rows_to_train(len(loss_mask), step=self.state.global_step)
-        cotrainer.micro_batch += 1
         if rows is None:
             cotrainer.record(RecordedTaps(taps[0], attention_mask, loss_mask))
         else:

@@ -77,11 +77,13 @@ class DraftCoTrainer:
 
     def rows_to_train(self, batch_size: int, *, step: int) -> torch.Tensor | None:
         """The rows of this micro-batch the draft trains on (``draft_train_fraction``; None: all), drawn from (seed,
-        step, rank, micro-batch) so that a resumed run chooses the rows the uninterrupted one did."""
+        step, rank, micro-batch) so that a resumed run chooses the rows the uninterrupted one did. Called once per
+        micro-batch: it counts them."""
+        micro_batch, self.micro_batch = self.micro_batch, self.micro_batch + 1
         count = max(1, round(self.args.draft_train_fraction * batch_size))
         if count >= batch_size:
             return None
-        generator = seeded_generator(self.args.seed, step, self.accelerator.process_index, self.micro_batch)
+        generator = seeded_generator(self.args.seed, step, self.accelerator.process_index, micro_batch)
         return torch.randperm(batch_size, generator=generator)[:count].sort().values
 
     def record(self, recorded: RecordedTaps) -> None:

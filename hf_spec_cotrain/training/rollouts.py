@@ -51,6 +51,8 @@ class SpeculativeRollouts:
         metrics: the trainer's ``_metrics`` (mode -> name -> list of values), where ``spec/*`` values go.
         policy: returns the policy as the accelerator unwraps it (PEFT wrapper kept), whose weights are pushed.
         engine: the vLLM engine holding the policy and the draft (`build_rollout_engine`); None: HF-native turns.
+        generates_for_all_ranks: one rank generates every rank's rollouts (pipeline parallelism), so the metrics
+            are this rank's alone, not summed over the processes.
     """
 
     def __init__(
@@ -63,11 +65,12 @@ class SpeculativeRollouts:
         metrics,
         policy: Callable[[], nn.Module],
         engine: RolloutEngine | None = None,
+        generates_for_all_ranks: bool = False,
     ):
         self.draft, self.args, self.accelerator, self.sampling = draft, args, accelerator, sampling
         self.metrics, self.policy, self.engine = metrics, policy, engine
         self.acceptance_history: list[tuple[int, float]] = []
-        self.generates_for_all_ranks = False  # pipeline parallelism: one rank generates every rank's rollouts
+        self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
 
     def generate(
