@@ -12,6 +12,7 @@ from ._lazy import lazy_exports
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AdaptiveSpeculation",
     "DraftTrainingConfig",
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 _MODULE_OF = {
+    "AdaptiveSpeculation": "generation.adaptive",
     "DraftTrainingConfig": "warmstart",
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from .attention import branch_attention
     from .config import SpecCoTrainConfig
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
+    from .generation.adaptive import AdaptiveSpeculation
     from .generation.speculative import SpeculativeOutput, speculative_generate
     from .generation.vllm_engine import VLLMRolloutEngine
     from .parallel.tap_channel import TapChannel

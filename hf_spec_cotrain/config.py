@@ -67,8 +67,15 @@ class SpecCoTrainConfig(GRPOConfig):
         speculative_decoding (`bool`, *optional*, defaults to `True`):
             Generate rollouts with the co-trained draft. When False the draft still trains (for a later push) but
             rollouts use plain generation.
-        num_speculative_tokens (`int`, *optional*, defaults to `3`):
-            Tokens the draft proposes per verification step.
+        num_speculative_tokens (`int` or `"auto"`, *optional*, defaults to `3`):
+            Tokens the draft proposes per verification step (K). `"auto"` chooses K in
+            `0 .. max_speculative_tokens` before every decoding round, K = 0 being plain decoding, from an online
+            cost model of this machine and policy (`AdaptiveSpeculation`: the policy's forward time at the live
+            batch size, the draft's step time, the live acceptance per draft position). Rollouts follow the same law
+            whatever K runs, but with `"auto"` they are not reproducible bit for bit, since K depends on measured
+            time. HF-native rollouts adapt per round; vLLM ones run K = `max_speculative_tokens`.
+        max_speculative_tokens (`int`, *optional*, defaults to `5`):
+            Largest K with `num_speculative_tokens="auto"`.
         draft_sampling (`str`, *optional*):
             How the draft proposes when rollouts sample: `"probabilistic"` (sample from the draft's distribution,
             standard speculative sampling; the default) or `"greedy"` (propose the draft's argmax).
@@ -165,7 +172,15 @@ class SpecCoTrainConfig(GRPOConfig):
     speculative_decoding: bool = field(
         default=True, metadata={"help": "Generate rollouts with the co-trained draft (speculative decoding)."}
     )
-    num_speculative_tokens: int = field(default=3, metadata={"help": "Draft tokens proposed per verification."})
+    # `| None` makes the command line pass a string, so that `--num_speculative_tokens auto` parses.
+    num_speculative_tokens: int | str | None = field(
+        default=3,
+        metadata={
+            "help": "Draft tokens proposed per verification, or 'auto': chosen per decoding round in "
+            "0..max_speculative_tokens by an online cost model."
+        },
+    )
+    max_speculative_tokens: int = field(default=5, metadata={"help": "Largest K with num_speculative_tokens='auto'."})
     draft_sampling: str | None = field(
         default=None,
         metadata={"help": "How the draft proposes when sampling: 'probabilistic' (default) or 'greedy'."},
@@ -208,7 +223,11 @@ class SpecCoTrainConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("draft_num_layers", "ttt_steps", "num_speculative_tokens", "draft_update_interval"):
+        if isinstance(self.num_speculative_tokens, str) and self.num_speculative_tokens.strip().isdigit():
+            self.num_speculative_tokens = int(self.num_speculative_tokens)  # from the command line
+        if self.num_speculative_tokens != "auto":
+            check_int(self.num_speculative_tokens, "num_speculative_tokens", hint=" or 'auto'")
+        for name in ("draft_num_layers", "ttt_steps", "max_speculative_tokens", "draft_update_interval"):
             check_int(getattr(self, name), name)
         if self.draft_vocab_size is not None:
             check_int(self.draft_vocab_size, "draft_vocab_size", hint=" (or unset: the whole vocabulary)")
@@ -256,3 +275,8 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`speculative_decoding=False`."
             )
         ParallelDims.from_config(self)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens the draft may propose in one round: K, or `max_speculative_tokens` under `"auto"`."""
+        return self.max_speculative_tokens if self.num_speculative_tokens == "auto" else self.num_speculative_tokens

@@ -354,7 +354,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             acceptance_history=self.rollouts.acceptance_history,
             ttt_steps=self.args.ttt_steps,
             step_weight_decay=self.args.ttt_step_weight_decay,
-            num_speculative_tokens=self.args.num_speculative_tokens,
+            num_speculative_tokens=self.args.max_draft_tokens,
         )
         (folder / "README.md").write_text(card, encoding="utf-8")
         return folder

@@ -10,6 +10,9 @@ from .._lazy import lazy_exports
 
 
 _MODULE_OF = {
+    "AdaptiveSpeculation": "adaptive",
+    "FixedSpeculation": "adaptive",
+    "SpeculationPolicy": "adaptive",
     "DRAFT_SAMPLING_METHODS": "speculative",
     "SpeculativeOutput": "speculative",
     "greedy_verify": "speculative",
@@ -29,6 +32,9 @@ _MODULE_OF = {
 
 __all__ = [
     "DRAFT_SAMPLING_METHODS",
+    "AdaptiveSpeculation",
+    "FixedSpeculation",
+    "SpeculationPolicy",
     "VLLM_INSTALL_HINT",
     "RolloutEngine",
     "RolloutOutput",
@@ -46,6 +52,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
     from .client import VLLMServerClient, VLLMServerError
     from .engine import RolloutEngine, RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
     from .speculative import (

@@ -18,8 +18,9 @@ Caches are never cropped: rows accept different numbers of tokens, so a rejected
 outnumber their kept slots are compacted (keys carry their RoPE rotation, so moving slots changes nothing).
 """
 
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ from ..draft import Eagle3DraftModel
 from ..draft.modeling import causal_slot_mask
 from ..taps import TapRecorder
 from ..validation import check_int
+from .adaptive import FixedSpeculation, SpeculationPolicy
 
 
 __all__ = [
@@ -57,8 +59,9 @@ class SpeculativeOutput:
 
     ``sequences``: prompt + generated tokens, ``[B, prompt_len + longest generation]``, ``pad_token_id`` after a row
     finishes (the layout of ``generate``). Counters follow vLLM's ``spec_decode`` metrics: a *draft* is one round of
-    ``K`` proposals for one row; ``accepted_per_position[k]`` counts drafts whose proposal ``k`` was accepted.
+    ``K > 0`` proposals for one row; ``accepted_per_position[k]`` counts drafts whose proposal ``k`` was accepted.
     Accepted tokens are counted as verified, before EOS or ``max_new_tokens`` truncate a row (as vLLM counts).
+    ``rounds``: ``(live rows, K)`` of every decoding round after the prefill (K = 0: a plain decoding step).
     """
 
     sequences: torch.LongTensor
@@ -69,6 +72,7 @@ class SpeculativeOutput:
     num_drafts_per_row: torch.LongTensor
     num_accepted_per_row: torch.LongTensor
     num_target_forwards: int
+    rounds: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -150,7 +154,7 @@ def speculative_generate(
     attention_mask: torch.Tensor | None = None,
     *,
     max_new_tokens: int,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | SpeculationPolicy = 3,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -172,7 +176,10 @@ def speculative_generate(
     Args:
         input_ids: ``[B, P]`` prompts, left-padded. ``attention_mask``: ``[B, P]``, 0 on padding (default: none).
         max_new_tokens: generated tokens per row, at most (EOS ends a row earlier).
-        num_speculative_tokens: ``K``, drafts per round.
+        num_speculative_tokens: ``K``, drafts per round; or a `SpeculationPolicy` that chooses K in
+            ``0 .. max_speculative_tokens`` before every round (`AdaptiveSpeculation`: from an online cost model,
+            as the live batch shrinks). Every K keeps the output lossless; which K runs changes only the speed (and
+            which random numbers a sampled row draws).
         do_sample: sample (speculative rejection sampling) instead of greedy decoding.
         draft_sampling: how the draft proposes when sampling: ``"probabilistic"`` (default) samples from the
             draft's own warped distribution ``q`` (zero outside the draft vocabulary) and accepts with
@@ -180,13 +187,13 @@ def speculative_generate(
         eos_token_id / pad_token_id: default to the target's ``generation_config`` (pad falls back to EOS).
         generator: random source for sampling (on the models' device).
     """
+    speculation = _speculation_policy(num_speculative_tokens)
     draft_sampling = _validate_arguments(
         target,
         draft,
         input_ids,
         attention_mask,
         max_new_tokens=max_new_tokens,
-        num_speculative_tokens=num_speculative_tokens,
         do_sample=do_sample,
         temperature=temperature,
         top_p=top_p,
@@ -207,7 +214,7 @@ def speculative_generate(
                 target,
                 draft,
                 recorder,
-                num_speculative_tokens=num_speculative_tokens,
+                speculation=speculation,
                 warpers=warpers,
                 greedy_drafts=draft_sampling == "greedy",
                 eos_ids=eos_ids,
@@ -230,7 +237,7 @@ class _SpeculativeDecoder:
         draft: Eagle3DraftModel,
         recorder: TapRecorder,
         *,
-        num_speculative_tokens: int,
+        speculation: SpeculationPolicy,
         warpers: LogitsProcessorList | None,
         greedy_drafts: bool,
         eos_ids: torch.Tensor,
@@ -239,7 +246,7 @@ class _SpeculativeDecoder:
         self.target = target
         self.draft = draft
         self.recorder = recorder
-        self.num_drafts = num_speculative_tokens
+        self.speculation = speculation
         self.warpers = warpers
         self.greedy_drafts = greedy_drafts or warpers is None
         self.generator = generator
@@ -255,16 +262,18 @@ class _SpeculativeDecoder:
         device = self.embedding.weight.device
         input_ids = input_ids.to(device)
         batch = input_ids.shape[0]
-        k = self.num_drafts
+        k_max = self.speculation.max_speculative_tokens
         self.generated = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         self.num_generated = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_new_tokens = max_new_tokens
         drafts_per_row = torch.zeros(batch, dtype=torch.long, device=device)
         accepted_per_row = torch.zeros(batch, dtype=torch.long, device=device)
-        accepted_per_position = torch.zeros(k, dtype=torch.long, device=device)
-        offsets = torch.arange(k + 1, device=device)
+        accepted_per_position = torch.zeros(k_max, dtype=torch.long, device=device)
+        offsets = torch.arange(k_max + 1, device=device)
+        num_draft_tokens, rounds = 0, []
 
-        # Prefill: the target over the prompts (taps by hooks) and its first token; then the draft over the prompts.
+        # Prefill: the target over the prompts (taps by hooks) and its first token. What the draft has not seen yet
+        # (here the prompts) waits in `pending` until a round drafts: rounds of K = 0 never run the draft.
         slot_mask = attention_mask.to(device=device, dtype=torch.bool)
         positions = (slot_mask.long().cumsum(1) - 1).clamp(min=0)
         self.target_cache, self.target_mask = DynamicCache(config=self.target.config), slot_mask
@@ -274,84 +283,91 @@ class _SpeculativeDecoder:
         last_token = self._sample_target(logits[:, -1])
         row_ids = torch.arange(batch, device=device)
         finished = self._emit(row_ids, last_token[:, None], torch.ones_like(last_token))
-        draft_tokens = torch.cat([input_ids[:, 1:], last_token[:, None]], dim=1)
-        row_ids, last_token, draft_tokens, taps, positions, slot_mask = self._drop_finished(
-            finished, row_ids, last_token, draft_tokens, taps, positions, slot_mask
+        pending = [(torch.cat([input_ids[:, 1:], last_token[:, None]], dim=1), taps, positions, slot_mask)]
+        next_position = positions[:, -1] + 1
+        (row_ids, last_token, next_position), pending = self._drop_finished(
+            finished, (row_ids, last_token, next_position), pending
         )
-        if row_ids.numel():
-            draft_logits, draft_hidden = self._draft_forward(draft_tokens, taps, positions, slot_mask, select=None)
-            next_position = positions[:, -1] + 1
 
         while row_ids.numel():
-            # 1. Chain drafting: d_1 from the last verified position, then d_2..d_K from the draft's own output.
-            spec_start = self.draft_mask.shape[1]
-            drafts, draft_probs = [], []
-            for step in range(k):
-                token, q = self._propose(draft_logits)
-                drafts.append(token)
-                draft_probs.append(q)
-                if step < k - 1:
-                    draft_logits, draft_hidden = self._draft_step(token, draft_hidden, next_position + step)
-            drafts = torch.stack(drafts, dim=1)
-            self.draft_mask[:, spec_start:] = False  # speculative entries never serve a later round
+            live = row_ids.numel()
+            k = self.speculation.choose(live)
+            started = self._clock()
+            if k:
+                # 1. The draft catches up on the verified positions it has not seen, whose last output proposes
+                # d_1; then chain drafting proposes d_2..d_K from the draft's own output.
+                draft_logits, draft_hidden = self._draft_forward(*_concat_slots(pending))
+                pending = []
+                spec_start = self.draft_mask.shape[1]
+                drafts, draft_probs = [], []
+                for step in range(k):
+                    token, q = self._propose(draft_logits)
+                    drafts.append(token)
+                    draft_probs.append(q)
+                    if step < k - 1:
+                        draft_logits, draft_hidden = self._draft_step(token, draft_hidden, next_position + step)
+                drafts = torch.stack(drafts, dim=1)
+                self.draft_mask[:, spec_start:] = False  # speculative entries never serve a later round
+            else:
+                drafts = last_token[:, None][:, :0]
+            draft_seconds = self._clock() - started
 
-            # 2. One target forward verifies [x_n, d_1..d_K]; its taps feed the draft's recomputation.
+            # 2. One target forward verifies [x_n, d_1..d_K]; its taps feed the draft's next catch-up.
             verify_ids = torch.cat([last_token[:, None], drafts], dim=1)
-            verify_positions = next_position[:, None] + offsets
+            verify_positions = next_position[:, None] + offsets[: k + 1]
             self.target_mask = F.pad(self.target_mask, (0, k + 1), value=True)
             logits, taps = self._target_forward(verify_ids, verify_positions)
             num_target_forwards += 1
 
-            # 3. Accept a prefix per row, then a correction or bonus token.
-            if self.warpers is None:
+            # 3. Accept a prefix per row, then a correction or bonus token (K = 0: a plain decoding step).
+            if not k:
+                num_accepted, next_token = torch.zeros_like(last_token), self._sample_target(logits[:, 0])
+            elif self.warpers is None:
                 num_accepted, next_token = greedy_verify(drafts, logits)
             else:
                 target_probs = self._probs(logits)
                 q = None if self.greedy_drafts else torch.stack(draft_probs, dim=1)
                 num_accepted, next_token = rejection_sample(drafts, target_probs, q, generator=self.generator)
-            drafts_per_row[row_ids] += 1
-            accepted_per_row[row_ids] += num_accepted
-            accepted_per_position += (num_accepted[:, None] > offsets[:k]).sum(0)
+            if k:
+                drafts_per_row[row_ids] += 1
+                accepted_per_row[row_ids] += num_accepted
+                accepted_now = (num_accepted[:, None] > offsets[:k]).sum(0)
+                reached_now = (num_accepted[:, None] >= offsets[:k]).sum(0)
+                accepted_per_position[:k] += accepted_now
+                num_draft_tokens += k * live
             emitted = torch.cat([drafts, next_token[:, None]], dim=1)
             emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
             finished = self._emit(row_ids, emitted, num_accepted + 1)
 
-            # 4. Rejected target slots become holes; the draft recomputes the accepted positions from target taps,
-            # and its output at the last accepted one proposes the next round's d_1.
-            verified = offsets <= num_accepted[:, None]
+            # 4. Rejected target slots become holes; the verified positions wait for the draft's next catch-up.
+            verified = offsets[: k + 1] <= num_accepted[:, None]
             self.target_mask[:, -(k + 1) :] = verified
-            row_ids, emitted, taps, verify_positions, verified, num_accepted, next_token, next_position = (
-                self._drop_finished(
-                    finished,
-                    row_ids,
-                    emitted,
-                    taps,
-                    verify_positions,
-                    verified,
-                    num_accepted,
-                    next_token,
-                    next_position,
-                )
-            )
-            if not row_ids.numel():
-                break
-            draft_logits, draft_hidden = self._draft_forward(
-                emitted, taps, verify_positions, verified, select=num_accepted
-            )
+            tokens_per_row = float(num_accepted.sum()) / live + 1.0
+            pending.append((emitted, taps, verify_positions, verified))
             last_token, next_position = next_token, next_position + num_accepted + 1
-            self._compact_caches()
+            (row_ids, last_token, next_position), pending = self._drop_finished(
+                finished, (row_ids, last_token, next_position), pending
+            )
+            if row_ids.numel():
+                self._compact_caches()
+            self.speculation.observe_round(
+                live, k, seconds=self._clock() - started, draft_seconds=draft_seconds, tokens_per_row=tokens_per_row
+            )
+            if k:
+                self.speculation.observe_acceptance(reached_now.tolist(), accepted_now.tolist())
+            rounds.append((live, k))
 
         longest = int(self.num_generated.max())
-        num_drafts = int(drafts_per_row.sum())
         return SpeculativeOutput(
             sequences=torch.cat([input_ids, self.generated[:, :longest]], dim=1),
-            num_drafts=num_drafts,
-            num_draft_tokens=num_drafts * k,
+            num_drafts=int(drafts_per_row.sum()),
+            num_draft_tokens=num_draft_tokens,
             num_accepted_tokens=int(accepted_per_row.sum()),
             accepted_per_position=accepted_per_position.tolist(),
             num_drafts_per_row=drafts_per_row,
             num_accepted_per_row=accepted_per_row,
             num_target_forwards=num_target_forwards,
+            rounds=rounds,
         )
 
     def _emit(self, row_ids: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -419,17 +435,13 @@ class _SpeculativeDecoder:
         )
 
     def _draft_forward(
-        self,
-        tokens: torch.Tensor,
-        taps: torch.Tensor,
-        position_ids: torch.Tensor,
-        valid: torch.Tensor,
-        *,
-        select: torch.Tensor | None,
+        self, tokens: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft positions recomputed from target taps: ``(embed(x_{j+1}), fc(taps_j))`` at ``j``."""
+        """Draft positions recomputed from target taps: ``(embed(x_{j+1}), fc(taps_j))`` at ``j``; the logits and
+        ``h`` of each row's last valid slot (the last verified position)."""
         hidden = self.draft.project_hidden_states(taps)
-        return self._run_draft(self._embed(tokens), hidden, position_ids, valid, select=select)
+        last_valid = valid.shape[1] - 1 - valid.flip(1).long().argmax(1)
+        return self._run_draft(self._embed(tokens), hidden, position_ids, valid, select=last_valid)
 
     def _run_draft(
         self,
@@ -463,15 +475,24 @@ class _SpeculativeDecoder:
 
     # ------------------------------------------------------------------ caches
 
-    def _drop_finished(self, finished: torch.Tensor, *row_tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Remove finished rows from both caches, their slot masks and ``row_tensors`` (returned filtered)."""
+    def _drop_finished(
+        self, finished: torch.Tensor, row_tensors: tuple[torch.Tensor, ...], pending: list[tuple[torch.Tensor, ...]]
+    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+        """Remove finished rows from both caches, their slot masks, ``row_tensors`` and the draft's ``pending``
+        inputs (returned filtered)."""
         if not finished.any():
-            return list(row_tensors)
+            return list(row_tensors), pending
         keep = (~finished).nonzero().squeeze(1)
         for cache in (self.target_cache, self.draft_cache):
             cache.batch_select_indices(keep)
         self.target_mask, self.draft_mask = self.target_mask[keep], self.draft_mask[keep]
-        return [t[keep] for t in row_tensors]
+        return [t[keep] for t in row_tensors], [tuple(t[keep] for t in chunk) for chunk in pending]
+
+    def _clock(self) -> float:
+        """Wall time once the device has finished what was queued (the cost model times rounds)."""
+        if self.embedding.weight.device.type == "cuda":
+            torch.cuda.synchronize(self.embedding.weight.device)
+        return time.perf_counter()
 
     def _compact_caches(self) -> None:
         self.target_cache, self.target_mask = _compact(self.target_cache, self.target_mask, self.target.config)
@@ -495,6 +516,26 @@ def _compact(cache: DynamicCache, slot_mask: torch.Tensor, config) -> tuple[Dyna
 
 
 # ---------------------------------------------------------------------------------------------- arguments
+
+
+def _speculation_policy(num_speculative_tokens: int | SpeculationPolicy) -> SpeculationPolicy:
+    if isinstance(num_speculative_tokens, SpeculationPolicy):
+        check_int(num_speculative_tokens.max_speculative_tokens, "max_speculative_tokens")
+        return num_speculative_tokens
+    check_int(
+        num_speculative_tokens,
+        "num_speculative_tokens",
+        hint=" (the draft's tokens per round, or an AdaptiveSpeculation; use `target.generate` to decode without a "
+        "draft)",
+    )
+    return FixedSpeculation(num_speculative_tokens)
+
+
+def _concat_slots(chunks: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The draft's pending inputs ``(tokens, taps, positions, valid)`` of several rounds as one run of slots."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return tuple(torch.cat(parts, dim=1) for parts in zip(*chunks))
 
 
 def _warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
@@ -528,7 +569,6 @@ def _validate_arguments(
     attention_mask,
     *,
     max_new_tokens,
-    num_speculative_tokens,
     do_sample,
     temperature,
     top_p,
@@ -537,11 +577,6 @@ def _validate_arguments(
 ) -> str:
     """Raise a ValueError naming any bad argument; return the effective ``draft_sampling``."""
     check_int(max_new_tokens, "max_new_tokens")
-    check_int(
-        num_speculative_tokens,
-        "num_speculative_tokens",
-        hint=" (the draft's tokens per round; use `target.generate` to decode without a draft)",
-    )
     if draft_sampling is not None and draft_sampling not in DRAFT_SAMPLING_METHODS:
         raise ValueError(
             f"`draft_sampling`={draft_sampling!r} is not allowed; choose one of {', '.join(DRAFT_SAMPLING_METHODS)}."

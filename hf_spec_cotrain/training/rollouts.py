@@ -6,6 +6,7 @@ every process), into which both are pushed once per step. A turn that fails fall
 and counted in ``spec/fallback``); each turn logs the ``spec/*`` metrics.
 """
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -19,8 +20,9 @@ from transformers.utils import logging
 from trl.trainer.utils import pad
 
 from ..draft import Eagle3DraftModel
+from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
 from ..generation.engine import RolloutEngine
-from ..generation.speculative import speculative_generate
+from ..generation.speculative import SpeculativeOutput, speculative_generate
 from .draft_cotraining import seeded_generator
 
 
@@ -72,6 +74,11 @@ class SpeculativeRollouts:
         self.acceptance_history: list[tuple[int, float]] = []
         self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
+        self.speculation: SpeculationPolicy = (
+            AdaptiveSpeculation(args.max_speculative_tokens)
+            if args.num_speculative_tokens == "auto"
+            else FixedSpeculation(args.num_speculative_tokens)
+        )
 
     def generate(
         self,
@@ -125,7 +132,7 @@ class SpeculativeRollouts:
                 padded_ids,
                 attention_mask,
                 max_new_tokens=sampling.max_tokens,
-                num_speculative_tokens=self.args.num_speculative_tokens,
+                num_speculative_tokens=self.speculation,
                 do_sample=True,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
@@ -200,7 +207,7 @@ class SpeculativeRollouts:
         """``spec/*`` from one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`), summed over the processes
         that generated."""
         mode = "train" if training else "eval"
-        k = self.args.num_speculative_tokens
+        k = self.args.max_draft_tokens
         local = torch.tensor(
             [
                 counters.num_drafts,
@@ -220,8 +227,31 @@ class SpeculativeRollouts:
         for position in range(k):
             metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
         metrics["spec/tokens_per_second"].append((total[2] / (total[3] / generating_processes)).item())
+        for name, value in self._speculation_metrics(counters).items():
+            metrics[name].append(value)
         if training:
             self.acceptance_history.append((step, acceptance))
+
+    def _speculation_metrics(self, counters) -> dict[str, float]:
+        """This process's K (averaged over rows and rounds) and, under adaptive speculation, the cost model's
+        predicted speed-up over plain decoding and the measured one where both were run."""
+        if not isinstance(counters, SpeculativeOutput) or not counters.rounds:  # vLLM: the engine's K
+            return {"spec/num_speculative_tokens": float(self.args.max_draft_tokens)}
+        rounds = counters.rounds
+        values = {"spec/num_speculative_tokens": _row_weighted_mean([(live, k) for live, k in rounds])}
+        if isinstance(self.speculation, AdaptiveSpeculation):
+            model = self.speculation
+            for name, estimate in (("predicted", model.predicted_speedup), ("measured", model.measured_speedup)):
+                mean = _row_weighted_mean([(live, estimate(live, k)) for live, k in rounds])
+                if not math.isnan(mean):
+                    values[f"spec/{name}_speedup"] = mean
+        return values
+
+
+def _row_weighted_mean(values: list[tuple[int, float]]) -> float:
+    """Mean of per-round values weighted by the round's live rows, NaN values (not measured) left out."""
+    known = [(rows, value) for rows, value in values if not math.isnan(value)]
+    return sum(rows * value for rows, value in known) / sum(rows for rows, _ in known) if known else math.nan
 
 
 def build_rollout_engine(
@@ -252,7 +282,7 @@ def build_rollout_engine(
     return VLLMRolloutEngine(
         policy_folder,
         draft_model=draft_folder,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=args.max_draft_tokens,
         draft_sample_method=draft_sample_method,
         rejection_sample_method=rejection_sample_method,
         seed=args.seed,

@@ -1,0 +1,272 @@
+"""Adaptive speculation: the cost model's choice of K (asserted on injected costs, never on timings), and the
+generator's rounds of varying K (including K = 0, plain decoding) staying lossless."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from statistics_utils import g_test
+from test_speculative import P_VALUE_THRESHOLD, _exact, _sample, _setup, _small_vocab_setup
+
+from hf_spec_cotrain import AdaptiveSpeculation, SpecCoTrainConfig
+from hf_spec_cotrain.generation import speculative
+from hf_spec_cotrain.generation.adaptive import FixedSpeculation, batch_bucket
+from hf_spec_cotrain.generation.speculative import speculative_generate
+
+
+class ScriptedSpeculation:
+    """K from a fixed cycle, whatever the batch: every switch between K values the generator must survive."""
+
+    def __init__(self, ks, max_speculative_tokens=5):
+        self.max_speculative_tokens = max_speculative_tokens
+        self.ks = itertools.cycle(ks)
+
+    def choose(self, batch_size):
+        return next(self.ks)
+
+    def observe_round(self, batch_size, k, *, seconds, draft_seconds, tokens_per_row):
+        pass
+
+    def observe_acceptance(self, reached, accepted):
+        pass
+
+
+def _check_round_counters(out, k_max):
+    drafted = [(live, k) for live, k in out.rounds if k]
+    assert out.num_draft_tokens == sum(live * k for live, k in drafted)
+    assert out.num_drafts == int(out.num_drafts_per_row.sum()) == sum(live for live, _ in drafted)
+    assert len(out.accepted_per_position) == k_max
+    assert all(a >= b for a, b in itertools.pairwise(out.accepted_per_position))
+    assert sum(out.accepted_per_position) == out.num_accepted_tokens == int(out.num_accepted_per_row.sum())
+    assert out.num_target_forwards == 1 + len(out.rounds)
+    assert all(later <= earlier for (earlier, _), (later, _) in itertools.pairwise(out.rounds))  # rows only leave
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("ks", [(0, 3, 0, 0, 1, 5, 2), (2, 0), (0,)])
+def test_rounds_of_any_k_keep_greedy_equal_to_generate(family, ks):
+    """Plain steps between speculative rounds leave the draft's inputs pending; it must catch up exactly."""
+    target, random_draft, trained, input_ids, attention_mask = _setup(family)
+    max_new_tokens = 29
+    want = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens)
+    for draft in (random_draft, trained):
+        out = speculative_generate(
+            target,
+            draft,
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            num_speculative_tokens=ScriptedSpeculation(ks),
+        )
+        assert torch.equal(out.sequences, want)
+        _check_round_counters(out, 5)
+        assert {k for _, k in out.rounds} == set(ks)
+    if ks != (0,):
+        assert out.acceptance_length > 1.5  # the trained draft, proposing from caught-up inputs, is accepted
+
+
+def test_eos_rows_leave_while_k_changes():
+    target, _, trained, input_ids, attention_mask = _setup("llama")
+    want = target.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40, eos_token_id=[5, 9, 11]
+    )
+    out = speculative_generate(
+        target,
+        trained,
+        input_ids,
+        attention_mask,
+        max_new_tokens=40,
+        num_speculative_tokens=ScriptedSpeculation((0, 4, 1, 0, 2)),
+        eos_token_id=[5, 9, 11],
+    )
+    assert torch.equal(out.sequences, want[:, : out.sequences.shape[1]])
+    assert out.rounds[-1][0] < out.rounds[0][0]  # the batch shrank mid-call
+    _check_round_counters(out, 5)
+
+
+@pytest.mark.parametrize("ks, draft_sampling", [((0, 2, 1), "probabilistic"), ((2, 0, 0), "greedy")])
+def test_rounds_of_any_k_keep_the_target_distribution(ks, draft_sampling):
+    _, drafts, _ = _small_vocab_setup()
+    samples, out = _sample(
+        drafts[True],
+        seed=len(ks),
+        num_speculative_tokens=ScriptedSpeculation(ks, max_speculative_tokens=2),
+        draft_sampling=draft_sampling,
+    )
+    assert g_test(samples, _exact()) > P_VALUE_THRESHOLD
+    assert 0 < out.num_accepted_tokens < out.num_draft_tokens
+    _check_round_counters(out, 2)
+
+
+# ---------------------------------------------------------------------------------------------- the cost model
+
+
+def _fed(model, batch_size, *, target, draft, acceptance, rounds=3):
+    """Feed ``model`` rounds at every K with the costs ``target(n)`` (seconds for n tokens per row) and ``draft``
+    (seconds per drafted token), and drafts accepted at rate ``acceptance`` per position."""
+    for _ in range(rounds):
+        for k in range(model.max_speculative_tokens + 1):
+            draft_seconds = k * draft
+            model.observe_round(
+                batch_size, k, seconds=target(k + 1) + draft_seconds, draft_seconds=draft_seconds, tokens_per_row=1
+            )
+    reached = [1000 * acceptance**i for i in range(model.max_speculative_tokens)]
+    model.observe_acceptance(reached, [r * acceptance for r in reached])
+    return model
+
+
+def test_k_is_zero_where_speculation_cannot_pay():
+    """Verification as costly as decoding every token one by one, a slow draft, a poor acceptance: plain decoding."""
+    model = _fed(AdaptiveSpeculation(5), 32, target=lambda n: 0.01 * n, draft=0.004, acceptance=0.3)
+    assert model.best(32) == 0
+    assert model.predicted_speedup(32, 3) < 1
+    assert model.choose(32) == 0
+
+
+def test_k_is_positive_where_speculation_pays():
+    """Verifying more tokens costs little more than one, the draft is cheap and usually right."""
+    model = _fed(AdaptiveSpeculation(5), 1, target=lambda n: 0.01 + 0.0005 * n, draft=0.001, acceptance=0.9)
+    assert model.best(1) >= 3
+    assert model.predicted_speedup(1) > 2
+
+
+def test_k_follows_the_batch_size():
+    """One machine, one draft: speculation pays at batch 1 (overhead-bound) and not at batch 64 (compute-bound)."""
+    model = AdaptiveSpeculation(4)
+    _fed(model, 1, target=lambda n: 0.005 + 0.0002 * n, draft=0.0005, acceptance=0.8)
+    _fed(model, 64, target=lambda n: 0.02 * n, draft=0.002, acceptance=0.8)
+    assert model.best(1) > 0 and model.best(64) == 0
+    assert batch_bucket(50) == batch_bucket(64) == 64 and model.best(50) == 0
+
+
+def test_prediction_is_the_expected_tokens_over_the_round_cost():
+    model = _fed(AdaptiveSpeculation(2), 4, target=lambda n: 0.01 * (1 + n), draft=0.002, acceptance=0.5, rounds=1)
+    rates = model.acceptance_rates()
+    assert model.expected_tokens(2) == pytest.approx(1 + rates[0] + rates[0] * rates[1])
+    round_seconds = 0.01 * (1 + 3) + 2 * 0.002
+    assert model.predicted_tokens_per_second(4, 2) == pytest.approx(model.expected_tokens(2) / round_seconds)
+    assert model.predicted_speedup(4, 2) == pytest.approx(model.expected_tokens(2) / round_seconds * 0.02)
+
+
+def test_acceptance_rates_come_from_the_counters_and_borrow_unseen_positions():
+    model = AdaptiveSpeculation(4, prior_strength=1.0)
+    assert model.acceptance_rates() == [0.5] * 4  # the prior
+    model.observe_acceptance([1000, 800], [800, 400])
+    first, second, third, fourth = model.acceptance_rates()
+    assert first == pytest.approx(0.8, abs=1e-3) and second == pytest.approx(0.5, abs=1e-3)
+    assert third == fourth == pytest.approx(second)  # never drafted: the last measured position's rate
+
+
+def test_a_new_bucket_measures_both_ends_then_exploits_then_explores():
+    model = AdaptiveSpeculation(3, explore_interval=10)
+    assert model.choose(8) == 3  # nothing measured: the longest drafts first (they also measure acceptance)
+    model.observe_round(8, 3, seconds=0.02, draft_seconds=0.006, tokens_per_row=3.5)
+    assert model.choose(8) == 0
+    model.observe_round(8, 0, seconds=0.01, draft_seconds=0.0, tokens_per_row=1)
+    model.observe_acceptance([100, 90, 80], [90, 80, 70])
+    explored = []
+    for round_index in range(2, 21):
+        best, k = model.best(8), model.choose(8)
+        if k != best:
+            explored.append((round_index, k))
+        model.observe_round(8, k, seconds=0.01 + 0.003 * k, draft_seconds=0.002 * k, tokens_per_row=1 + k * 0.8)
+    # rounds 10 and 20 of the bucket explore: first a K never run, then the one measured longest ago
+    assert [index for index, _ in explored] == [10, 20]
+    assert explored[0][1] in {1, 2}
+    assert model.choose(16) == 3  # another bucket starts over
+
+
+def test_a_stale_estimate_corrects_itself():
+    """K = 3 looked bad once (a hiccup); exploration re-measures it and the choice moves back."""
+    model = AdaptiveSpeculation(3, explore_interval=5, smoothing=0.5)
+    model.observe_acceptance([1000] * 3, [900] * 3)
+    for k, seconds in ((3, 0.5), (0, 0.01), (1, 0.012), (2, 0.014)):
+        model.observe_round(1, k, seconds=seconds, draft_seconds=0.001 * k, tokens_per_row=1)
+    assert model.best(1) == 2
+    for _ in range(200):  # every 5th round explores the stalest K: K = 3 comes back every 20 rounds
+        k = model.choose(1)
+        model.observe_round(1, k, seconds=0.01 + 0.001 * k, draft_seconds=0.001 * k, tokens_per_row=1 + 0.9 * k)
+    assert model.best(1) == 3
+
+
+def test_measured_speedup_needs_both_plain_and_speculative_rounds():
+    model = AdaptiveSpeculation(2)
+    model.observe_round(2, 2, seconds=0.03, draft_seconds=0.01, tokens_per_row=2.5)
+    assert math.isnan(model.measured_speedup(2, 2))
+    model.observe_round(2, 0, seconds=0.02, draft_seconds=0.0, tokens_per_row=1)
+    assert model.measured_speedup(2, 2) == pytest.approx((2.5 / 0.03) / (1 / 0.02))
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max_speculative_tokens"):
+        AdaptiveSpeculation(0)
+    with pytest.raises(ValueError, match="smoothing"):
+        AdaptiveSpeculation(3, smoothing=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        FixedSpeculation(0)
+
+
+# ---------------------------------------------------------------------------------------------- generator + model
+
+
+def _virtual_clock(monkeypatch, *, target_seconds, draft_seconds):
+    """Time in the generator advances by a cost per forward, not by the wall clock: the test asserts choices."""
+    now = [0.0]
+    target_forward, run_draft = (
+        speculative._SpeculativeDecoder._target_forward,
+        speculative._SpeculativeDecoder._run_draft,
+    )
+
+    def timed_target(self, input_ids, *args, **kwargs):
+        now[0] += target_seconds(input_ids.shape[0], input_ids.shape[1])
+        return target_forward(self, input_ids, *args, **kwargs)
+
+    def timed_draft(self, input_embeds, *args, **kwargs):
+        now[0] += draft_seconds
+        return run_draft(self, input_embeds, *args, **kwargs)
+
+    monkeypatch.setattr(speculative._SpeculativeDecoder, "_target_forward", timed_target)
+    monkeypatch.setattr(speculative._SpeculativeDecoder, "_run_draft", timed_draft)
+    monkeypatch.setattr(speculative._SpeculativeDecoder, "_clock", lambda self: now[0])
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_generator_with_the_cost_model_chooses_by_cost(monkeypatch, pays):
+    target, random_draft, trained, input_ids, attention_mask = _setup("llama")
+    if pays:  # an overhead-bound target and a trained draft
+        draft = trained
+        _virtual_clock(monkeypatch, target_seconds=lambda rows, n: 0.01 + 0.0001 * rows * n, draft_seconds=0.001)
+    else:  # verification costs as much as decoding token by token, and the draft is random
+        draft = random_draft
+        _virtual_clock(monkeypatch, target_seconds=lambda rows, n: 0.001 * rows * n, draft_seconds=0.004)
+    model = AdaptiveSpeculation(4, explore_interval=1000)
+    want = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=60)
+    out = speculative_generate(
+        target, draft, input_ids, attention_mask, max_new_tokens=60, num_speculative_tokens=model
+    )
+    assert torch.equal(out.sequences, want)
+    # Each batch-size bucket the call meets (rows leave at EOS) first runs K_max and then K = 0, once each (the
+    # last one may end before its second round).
+    buckets = {batch_bucket(live) for live, _ in out.rounds}
+    chosen = [k for _, k in out.rounds]
+    assert len(chosen) > 4 * len(buckets)
+    if pays:
+        assert chosen.count(0) <= len(buckets) and model.best(8) > 0 and model.predicted_speedup(8) > 1
+    else:
+        assert chosen.count(4) <= len(buckets) and set(chosen) == {0, 4} and model.best(8) == 0
+
+
+def test_config_takes_auto():
+    from tiny_policy import tiny_grpo_kwargs
+
+    config = SpecCoTrainConfig(
+        **tiny_grpo_kwargs("/tmp/unused"), num_speculative_tokens="auto", max_speculative_tokens=4
+    )
+    assert config.max_draft_tokens == 4
+    assert SpecCoTrainConfig(**tiny_grpo_kwargs("/tmp/unused"), num_speculative_tokens="2").num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="num_speculative_tokens.*'auto'"):
+        SpecCoTrainConfig(**tiny_grpo_kwargs("/tmp/unused"), num_speculative_tokens="fast")
