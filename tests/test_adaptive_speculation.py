@@ -1,13 +1,14 @@
 """Adaptive speculation: the cost model's choice of K (asserted on injected costs, never on timings), and the
 generator's rounds of varying K (including K = 0, plain decoding) staying lossless."""
 
+import copy
 import itertools
 import math
 
 import pytest
 import torch
 from statistics_utils import g_test
-from test_speculative import P_VALUE_THRESHOLD, _exact, _sample, _setup, _small_vocab_setup
+from test_speculative import EOS, P_VALUE_THRESHOLD, _exact, _reference_counts, _sample, _setup, _small_vocab_setup
 
 from hf_spec_cotrain import AdaptiveSpeculation, SpecCoTrainConfig
 from hf_spec_cotrain.generation import speculative
@@ -67,6 +68,29 @@ def test_rounds_of_any_k_keep_greedy_equal_to_generate(family, ks):
         assert {k for _, k in out.rounds} == set(ks)
     if ks != (0,):
         assert out.acceptance_length > 1.5  # the trained draft, proposing from caught-up inputs, is accepted
+
+
+@pytest.mark.parametrize("ks", [(0, 3, 0, 0, 2), (0, 0, 0, 0, 0, 0, 0, 0, 4)])
+def test_the_draft_catches_up_exactly_after_plain_steps(ks):
+    """Per-row draft and acceptance counts equal chain drafting rebuilt from scratch every round (float64): the
+    draft, when it drafts again, has seen every verified position, including those of plain steps."""
+    target, _, trained, input_ids, attention_mask = _setup("llama")
+    target, draft = copy.deepcopy(target).double(), copy.deepcopy(trained).double()
+    with torch.no_grad():
+        want_drafts, want_accepted = _reference_counts(
+            target, draft, input_ids[:4], attention_mask[:4], k=ks, max_new_tokens=25, eos=EOS
+        )
+    out = speculative_generate(
+        target,
+        draft,
+        input_ids[:4],
+        attention_mask[:4],
+        max_new_tokens=25,
+        num_speculative_tokens=ScriptedSpeculation(ks),
+        eos_token_id=EOS,
+    )
+    assert out.num_drafts_per_row.tolist() == want_drafts
+    assert out.num_accepted_per_row.tolist() == want_accepted
 
 
 def test_eos_rows_leave_while_k_changes():

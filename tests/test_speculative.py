@@ -196,11 +196,17 @@ def test_rows_are_independent():
 
 def _reference_counts(target, draft, input_ids, attention_mask, *, k, max_new_tokens, eos):
     """Chain drafting redone per row and round from scratch: a full target forward for the taps, a fresh draft
-    cache over the verified prefix, the draft's own `forward`; greedy, so the tokens are the target's."""
+    cache over the verified prefix, the draft's own `forward`; greedy, so the tokens are the target's. ``k``: K of
+    every round, or the Ks of successive rounds (cycled; K = 0 is a plain decoding step)."""
+    ks = [k] if isinstance(k, int) else list(k)
     aux_ids = draft.resolved_aux_layer_ids(NUM_LAYERS)
     embed = target.get_input_embeddings()
     continuation = target.generate(
-        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens + k, eos_token_id=[]
+        input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens + max(ks),
+        eos_token_id=[],
     )[:, input_ids.shape[1] :]
     drafts, accepted = [], []
     for row in range(input_ids.shape[0]):
@@ -209,7 +215,12 @@ def _reference_counts(target, draft, input_ids, attention_mask, *, k, max_new_to
         states = target(sequence, output_hidden_states=True).hidden_states
         taps = torch.cat([states[a] for a in aux_ids], dim=-1)
         emitted, row_drafts, row_accepted = 1, 0, 0
-        while emitted < max_new_tokens and eos not in continuation[row, :emitted]:
+        for k in itertools.cycle(ks):
+            if emitted >= max_new_tokens or eos in continuation[row, :emitted]:
+                break
+            if not k:
+                emitted += 1
+                continue
             verified = prompt.numel() + emitted
             cache = DynamicCache()
             out = draft(
