@@ -35,6 +35,7 @@ from .taps import TapRecorder
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback, RecordedTaps
 from .training.rollouts import RolloutSampling, SpeculativeRollouts, build_rollout_engine
 from .training.steps import ContextParallelStep, PipelineParallelStep
+from .training.timing import StepTimes, StepTimesCallback
 
 
 DRAFT_FOLDER = "draft"
@@ -83,6 +84,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
         self.draft = self._build_draft(draft_model)
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
+        self.step_times = StepTimes(self._metrics)
         self.draft_cotrainer = DraftCoTrainer(
             self.draft,
             args,
@@ -90,8 +92,10 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             output_weight=lambda: self._policy().get_output_embeddings().weight,
             metrics=self._metrics,
             owner_rank=self.accelerator.num_processes - 1 if self.parallel_dims.pp_enabled else None,
+            step_times=self.step_times,
         )
         self.add_callback(DraftUpdateCallback(self.draft_cotrainer))
+        self.add_callback(StepTimesCallback(self.step_times))
         engine = None
         if speculative_vllm:
             engine = build_rollout_engine(
@@ -118,6 +122,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             policy=lambda: self.accelerator.unwrap_model(self.model),
             engine=engine,
             generates_for_all_ranks=self.parallel_dims.pp_enabled,
+            step_times=self.step_times,
         )
         self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
         if self.parallel_dims.cp_enabled:
@@ -220,11 +225,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.parallel_step is not None:
-            return self.parallel_step(model, inputs, num_items_in_batch)
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.draft_cotrainer.train_recorded(loss_divisor=self._draft_loss_divisor())
-        return loss
+        with self.step_times.measure("step"):
+            if self.parallel_step is not None:
+                return self.parallel_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.draft_cotrainer.train_recorded(loss_divisor=self._draft_loss_divisor())
+            return loss
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -262,11 +268,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ rollouts
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if isinstance(self.parallel_step, PipelineParallelStep):
-            return self.parallel_step.generate_for_all_ranks(
-                prompt_ids, images, multimodal_fields, num_generations, self._generate_on_this_process
+        with self.step_times.measure("generation"):
+            if isinstance(self.parallel_step, PipelineParallelStep):
+                return self.parallel_step.generate_for_all_ranks(
+                    prompt_ids, images, multimodal_fields, num_generations, self._generate_on_this_process
+                )
+            return self._generate_on_this_process(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        return self._generate_on_this_process(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _generate_on_this_process(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """This process's rollouts: speculative with this step's draft, or TRL's plain generation when speculation is

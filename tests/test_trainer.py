@@ -82,6 +82,25 @@ def test_cotraining_updates_draft_and_logs_metrics(policy_dir, tmp_path):
     assert "Acceptance during RL" in (folder / "README.md").read_text()
 
 
+def test_auto_speculation_logs_its_choice_and_where_the_time_goes(policy_dir, tmp_path):
+    """`num_speculative_tokens="auto"`: the rollouts choose K per round (K_max and 0 first, to measure both), log
+    it with the predicted and measured speed-ups, and every step logs how its time splits."""
+    trainer = _trainer(policy_dir, _config(tmp_path, num_speculative_tokens="auto", max_speculative_tokens=4))
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "draft/loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        assert 0 <= entry["spec/num_speculative_tokens"] <= 4
+        assert entry["spec/predicted_speedup"] > 0 and entry["spec/measured_speedup"] > 0
+        assert "spec/accepted_per_position_3" in entry
+        parts = [entry[f"time/{part}"] for part in ("generation", "draft_training", "weight_sync", "policy_training")]
+        assert all(seconds >= 0 for seconds in parts) and entry["time/weight_sync"] == 0  # HF-native: no engine
+        assert entry["time/generation"] > 0 and entry["time/draft_training"] > 0
+        assert sum(parts) == pytest.approx(entry["time/step"])
+    model = trainer.rollouts.speculation
+    assert {k for bucket in model._buckets.values() for k in bucket.seconds} >= {0, 4}
+
+
 @pytest.mark.parametrize(
     ("bf16", "draft_bf16", "draft_dtype"),
     [

@@ -19,6 +19,7 @@ from ..draft import Eagle3DraftModel
 from ..parallel.comm import all_reduce_gradients
 from ..taps import Taps
 from ..ttt import TTTOutput, ttt_loss
+from .timing import StepTimes
 
 
 logger = logging.get_logger(__name__)
@@ -55,8 +56,11 @@ class DraftCoTrainer:
             metrics are broadcast to the others).
     """
 
-    def __init__(self, draft: Eagle3DraftModel, args, accelerator, *, output_weight, metrics, owner_rank=None):
+    def __init__(
+        self, draft: Eagle3DraftModel, args, accelerator, *, output_weight, metrics, owner_rank=None, step_times=None
+    ):
         self.draft, self.args, self.accelerator = draft, args, accelerator
+        self.step_times = step_times or StepTimes(metrics)
         self.output_weight, self.metrics, self.owner_rank = output_weight, metrics, owner_rank
         self.optimizer = torch.optim.AdamW(
             draft.trainable_parameters(), lr=args.draft_learning_rate, weight_decay=args.draft_weight_decay
@@ -92,8 +96,9 @@ class DraftCoTrainer:
 
     def train_recorded(self, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None) -> None:
         """The draft's TTT on every recorded forward, in order."""
-        while self._recorded:
-            self.micro_step(self._recorded.pop(0), loss_divisor=loss_divisor, cp_group=cp_group)
+        with self.step_times.measure("draft_training"):
+            while self._recorded:
+                self.micro_step(self._recorded.pop(0), loss_divisor=loss_divisor, cp_group=cp_group)
 
     def teacher_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """The policy's logits over the draft vocabulary (unscaled: rollouts apply the temperature to both)."""
@@ -158,6 +163,10 @@ class DraftCoTrainer:
 
     def update(self, *, step: int) -> None:
         """One draft optimizer step (after the policy's): average, clip, skip if non-finite, step, log."""
+        with self.step_times.measure("draft_training"), self.step_times.measure("step"):
+            self._update(step)
+
+    def _update(self, step: int) -> None:
         params = self.draft.trainable_parameters()
         nonfinite = torch.tensor(float(self._has_nonfinite), device=self.accelerator.device)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -24,6 +24,7 @@ from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, Specula
 from ..generation.engine import RolloutEngine
 from ..generation.speculative import SpeculativeOutput, speculative_generate
 from .draft_cotraining import seeded_generator
+from .timing import StepTimes
 
 
 logger = logging.get_logger(__name__)
@@ -55,6 +56,7 @@ class SpeculativeRollouts:
         engine: the vLLM engine holding the policy and the draft (`build_rollout_engine`); None: HF-native turns.
         generates_for_all_ranks: one rank generates every rank's rollouts (pipeline parallelism), so the metrics
             are this rank's alone, not summed over the processes.
+        step_times: where the engine's weight syncs are timed (``time/weight_sync``).
     """
 
     def __init__(
@@ -68,12 +70,14 @@ class SpeculativeRollouts:
         policy: Callable[[], nn.Module],
         engine: RolloutEngine | None = None,
         generates_for_all_ranks: bool = False,
+        step_times: StepTimes | None = None,
     ):
         self.draft, self.args, self.accelerator, self.sampling = draft, args, accelerator, sampling
         self.metrics, self.policy, self.engine = metrics, policy, engine
         self.acceptance_history: list[tuple[int, float]] = []
         self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
+        self.step_times = step_times or StepTimes(metrics)
         self.speculation: SpeculationPolicy = (
             AdaptiveSpeculation(args.max_speculative_tokens)
             if args.num_speculative_tokens == "auto"
@@ -156,7 +160,8 @@ class SpeculativeRollouts:
     def vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
         """Rollouts from the vLLM engine, after pushing this step's policy and draft into it (once per step)."""
         if step != self._engine_synced_step:
-            self.sync_engine()
+            with self.step_times.measure("weight_sync"):
+                self.sync_engine()
             self._engine_synced_step = step
         sampling = self.sampling
         started = time.perf_counter()
