@@ -1,21 +1,23 @@
 # Run: accelerate launch examples/grpo_spec.py [options]      (or: python examples/grpo_spec.py [options])
 """GRPO with an EAGLE-3 draft co-trained online, and speculative rollouts that track the moving policy.
 
-With no options this runs the *embedded default* end to end on a CPU in about 15 minutes:
+With no options this runs the *embedded default* end to end on a CPU in under 10 minutes:
 
 1. a small policy is built and supervised-trained locally on a synthetic task (cached after the first run):
    continue a letter sequence drawn from a fixed random Markov chain over ``abcdefgh``;
 2. a draft is warm-started offline (`hf_spec_cotrain.train_draft`) on that policy's own samples (cached);
 3. GRPO rewards completions rich in the letters ``efgh``. The reward is verifiable and hard to game: a
-   completion must also be exactly 24 letters, use at least 5 different letters and never repeat a letter 3 times
-   in a row, so the policy's distribution moves a lot without collapsing. The draft is co-trained every step and
-   the rollouts use it; at every logging step the acceptance length of the co-trained draft and of a frozen copy
-   of the warm-start draft are measured on the same prompts with the same sampling seed;
-4. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the reward curve that
-   speculation must not change.
+   completion must also be exactly 128 letters, use at least 5 different letters and never repeat a letter 3
+   times in a row, so the policy's distribution moves a lot without collapsing. Completions of 128 tokens make
+   generation most of a step, as in RL on real tasks. The draft is co-trained every step, the rollouts use it
+   with K chosen per decoding round (``num_speculative_tokens="auto"``), and every ``--probe_interval`` steps the
+   acceptance length of the co-trained draft and of a frozen copy of the warm-start draft are measured on the
+   same prompts with the same sampling seed (timed apart: the probes are not part of the GRPO time);
+4. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the time to beat and the reward
+   curve that speculation must not change (a permutation test over the last half of the steps).
 
-It prints a table and writes a CSV, a PNG plot and the co-trained draft (vLLM-loadable, with its model card)
-into ``--output_dir``; ``--push_to_hub`` pushes the draft. With ``--model_name_or_path``, ``--dataset_name``
+It prints a summary and a per-step table, and writes them (``summary.json``, ``results.csv``), a PNG plot and the
+co-trained draft (vLLM-loadable, with its model card) into ``--output_dir``; ``--push_to_hub`` pushes the draft. With ``--model_name_or_path``, ``--dataset_name``
 (a ``prompt`` column) and ``--reward_funcs`` the same script co-trains a draft for your own policy; add
 ``--use_vllm`` for vLLM rollouts on GPU.
 """
@@ -46,6 +48,7 @@ from hf_spec_cotrain import (
     train_draft,
 )
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
+from hf_spec_cotrain.training import StepTimes, StepTimesCallback
 
 
 @dataclass
@@ -71,22 +74,23 @@ class ScriptArguments:
     )
     # Budgets in steps, not seconds, so that a busy machine builds the same embedded policy and draft.
     sft_steps: int = field(
-        default=400, metadata={"help": "Supervised steps of the embedded policy (64 sequences each)."}
+        default=200, metadata={"help": "Supervised steps of the embedded policy (32 sequences each)."}
     )
-    warm_start_steps: int = field(default=500, metadata={"help": "Offline warm-start steps of the embedded draft."})
+    warm_start_steps: int = field(default=300, metadata={"help": "Offline warm-start steps of the embedded draft."})
     warm_start_samples: int = field(
-        default=512, metadata={"help": "Policy samples the embedded draft is warm-started on."}
+        default=256, metadata={"help": "Policy samples the embedded draft is warm-started on."}
     )
     baseline: bool = field(default=True, metadata={"help": "Also run the same GRPO without speculation."})
     probe_prompts: int = field(
-        default=32, metadata={"help": "Prompts of the co-trained vs frozen draft probe (0 disables it)."}
+        default=16, metadata={"help": "Prompts of the co-trained vs frozen draft probe (0 disables it)."}
     )
+    probe_interval: int = field(default=10, metadata={"help": "Steps between two acceptance probes."})
 
 
 # ------------------------------------------------------------------------------------------- the synthetic task
 LETTERS = "abcdefgh"
 REWARDED_LETTERS = set("efgh")
-SEED_LENGTH, COMPLETION_LENGTH = 4, 24
+SEED_LENGTH, COMPLETION_LENGTH = 4, 128
 TASK_SEED = 0
 
 
@@ -107,7 +111,7 @@ def sample_letters(chain: torch.Tensor, count: int, length: int, generator: torc
 
 
 def letters(completions, **kwargs) -> list[float]:
-    """Fraction of e/f/g/h letters, for a well-formed completion (24 letters, >= 5 distinct, no triple repeats)."""
+    """Fraction of e/f/g/h letters, for a well-formed completion (128 letters, >= 5 distinct, no triple repeats)."""
     rewards = []
     for text in completions:
         valid = (
@@ -138,7 +142,7 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     generator = torch.Generator().manual_seed(seed)
     prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
     settings = {
-        "version": 2,
+        "version": 3,
         "sft_steps": script.sft_steps,
         "warm_start_steps": script.warm_start_steps,
         "warm_start_samples": script.warm_start_samples,
@@ -171,7 +175,7 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
 
 
 def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
-    """A tiny Llama trained to continue the chain's sequences (prompt: 4 letters and ':', then 24 letters)."""
+    """A tiny Llama trained to continue the chain's sequences (prompt: 4 letters and ':', then 128 letters)."""
     policy = build_tiny_target(
         "llama",
         num_layers=8,
@@ -186,7 +190,7 @@ def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
     generator = torch.Generator().manual_seed(seed + 1)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(1, steps + 1):
-        texts = sample_letters(chain, 64, SEED_LENGTH + COMPLETION_LENGTH, generator)
+        texts = sample_letters(chain, 32, SEED_LENGTH + COMPLETION_LENGTH, generator)
         ids = [
             tokenizer(t[:SEED_LENGTH] + ":" + t[SEED_LENGTH:], add_special_tokens=False)["input_ids"]
             + [tokenizer.eos_token_id]
@@ -197,7 +201,7 @@ def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 100 == 0:
+        if step % 50 == 0:
             print(f"[grpo_spec] supervised step {step}: loss {loss.item():.3f}")
     policy.generation_config.eos_token_id = tokenizer.eos_token_id
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -221,11 +225,16 @@ def generate_texts(policy, tokenizer, prompts: list[str], *, temperature: float)
 
 # ----------------------------------------------------------------------------------------- measuring the run
 class DriftProbe(TrainerCallback):
-    """At every logging step: acceptance of the co-trained and of the frozen warm-start draft on the same prompts
-    and seed, KL of the policy from its initial self on those rollouts, and how varied the rollouts are."""
+    """Every ``interval`` steps: acceptance of the co-trained and of the frozen warm-start draft on the same prompts
+    and seed, KL of the policy from its initial self on those rollouts, and how varied the rollouts are. Its own
+    time is kept in ``seconds``, so that the GRPO steps can be timed without it."""
 
-    def __init__(self, trainer: SpecCoTrainGRPOTrainer, prompts: list[str], num_speculative_tokens: int):
+    def __init__(
+        self, trainer: SpecCoTrainGRPOTrainer, prompts: list[str], num_speculative_tokens: int, interval: int
+    ):
         self.trainer = trainer
+        self.interval = interval
+        self.seconds = 0.0
         self.frozen_draft = _copy_draft(trainer.draft)
         self.initial_policy = _copy_policy(trainer)
         tokenizer = trainer.processing_class
@@ -239,13 +248,17 @@ class DriftProbe(TrainerCallback):
         self._probe(0)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.logging_steps == 0 or state.global_step == state.max_steps:
+        if state.global_step % self.interval == 0 or state.global_step == state.max_steps:
             self._probe(state.global_step)
 
-    @torch.no_grad()
     def _probe(self, step: int) -> None:
-        if not self.trainer.accelerator.is_main_process:
-            return
+        started = time.perf_counter()
+        if self.trainer.accelerator.is_main_process:
+            self._measure(step)
+        self.seconds += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _measure(self, step: int) -> None:
         policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
         device = next(policy.parameters()).device
         args = self.trainer.args
@@ -311,11 +324,22 @@ def _copy_policy(trainer):
 
 
 class TimedGRPOTrainer(GRPOTrainer):
-    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput."""
+    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput and the same ``time/*``
+    split of its steps as `SpecCoTrainGRPOTrainer`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_times = StepTimes(self._metrics)
+        self.add_callback(StepTimesCallback(self.step_times))
+
+    def training_step(self, *args, **kwargs):
+        with self.step_times.measure("step"):
+            return super().training_step(*args, **kwargs)
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         started = time.perf_counter()
-        completions, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with self.step_times.measure("generation"):
+            completions, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         tokens = sum(map(len, completions))
         self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"].append(
             tokens / (time.perf_counter() - started)
@@ -329,18 +353,19 @@ EMBEDDED_DEFAULTS = dict(
     per_device_train_batch_size=16,
     num_generations=8,
     max_completion_length=COMPLETION_LENGTH + 1,
-    max_steps=120,
-    learning_rate=2e-4,
+    max_steps=60,
+    learning_rate=3e-4,
     lr_scheduler_type="constant",
     beta=0.0,
     temperature=1.0,
-    logging_steps=10,
+    logging_steps=1,
     save_strategy="no",
     report_to="none",
     seed=0,
     draft_learning_rate=5e-4,
     draft_warmup_steps=10,
-    num_speculative_tokens=3,
+    num_speculative_tokens="auto",
+    max_speculative_tokens=5,
 )
 
 
@@ -362,7 +387,7 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
     return script, config
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> dict:
     script, config = parse_args(list(sys.argv[1:] if argv is None else argv))
     started = time.perf_counter()
     output_dir = Path(config.output_dir)
@@ -389,13 +414,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     trainer = SpecCoTrainGRPOTrainer(
         model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset, processing_class=tokenizer
     )
-    probe = DriftProbe(trainer, probe_prompts, config.num_speculative_tokens) if probe_prompts else None
-    if probe is not None:
+    probe = None
+    if probe_prompts:
+        probe = DriftProbe(trainer, probe_prompts, config.max_draft_tokens, script.probe_interval)
         trainer.add_callback(probe)
-    trainer.train()
-    history = trainer.state.log_history
+    spec_seconds = timed_train(trainer) - (probe.seconds if probe else 0.0)
+    runs = {"spec": (trainer.state.log_history, spec_seconds)}
 
-    baseline_history = []
     if script.baseline:
         baseline_config = copy.deepcopy(config)
         baseline_config.output_dir = str(output_dir / "baseline")
@@ -406,62 +431,160 @@ def main(argv: list[str] | None = None) -> list[dict]:
             train_dataset=dataset,
             processing_class=tokenizer,
         )
-        baseline.train()
-        baseline_history = baseline.state.log_history
+        plain_seconds = timed_train(baseline)
+        runs["plain"] = (baseline.state.log_history, plain_seconds)
 
-    rows = report(history, baseline_history, probe.rows if probe else [], output_dir)
+    summary = report(runs, probe.rows if probe else [], output_dir)
     print(
         f"[grpo_spec] done in {time.perf_counter() - started:.0f} s; draft with model card in "
-        f"{output_dir / 'draft'}; table in {output_dir / 'results.csv'}, plot in {output_dir / 'results.png'}"
+        f"{output_dir / 'draft'}; tables in {output_dir / 'summary.json'} and {output_dir / 'results.csv'}, plot in "
+        f"{output_dir / 'results.png'}"
     )
-    return rows
+    return summary
 
 
-def report(history: list[dict], baseline_history: list[dict], probes: list[dict], output_dir: Path) -> list[dict]:
-    """Join the logs by step; print the table, write results.csv and results.png."""
+def timed_train(trainer) -> float:
+    started = time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - started
+
+
+# ------------------------------------------------------------------------------------------------ the report
+STEP_COLUMNS = {
+    # column: (run, logged metric)
+    "reward_spec": ("spec", "reward"),
+    "reward_plain": ("plain", "reward"),
+    "step_seconds_spec": ("spec", "time/step"),
+    "step_seconds_plain": ("plain", "time/step"),
+    "generation_seconds_spec": ("spec", "time/generation"),
+    "generation_seconds_plain": ("plain", "time/generation"),
+    "draft_training_seconds": ("spec", "time/draft_training"),
+    "tokens_per_s_spec": ("spec", "spec/tokens_per_second"),
+    "tokens_per_s_plain": ("plain", "rollout/tokens_per_second"),
+    "num_speculative_tokens": ("spec", "spec/num_speculative_tokens"),
+    "predicted_speedup": ("spec", "spec/predicted_speedup"),
+    "acceptance_rollouts": ("spec", "spec/acceptance_length"),
+}
+PROBE_COLUMNS = ["acceptance_cotrained", "acceptance_frozen", "kl_from_initial", "distinct_4grams"]
+TIME_PARTS = ("generation", "draft_training", "weight_sync", "policy_training")
+
+
+def report(runs: dict[str, tuple[list[dict], float]], probes: list[dict], output_dir: Path) -> dict:
+    """Join the logs by step; print and write the summary (summary.json), the per-step table (results.csv) and
+    the plot (results.png). ``runs``: "spec" and, with the baseline, "plain": (log history, GRPO seconds)."""
     by_step: dict[int, dict] = {}
-    for entry in history:
-        if "reward" in entry:
-            by_step.setdefault(entry["step"], {}).update(
-                {
-                    "reward_spec": entry["reward"],
-                    "acceptance_rollouts": entry.get("spec/acceptance_length", math.nan),
-                    "tokens_per_s_spec": entry.get("spec/tokens_per_second", math.nan),
-                }
-            )
-    for entry in baseline_history:
-        if "reward" in entry:
-            by_step.setdefault(entry["step"], {}).update(
-                {
-                    "reward_plain": entry["reward"],
-                    "tokens_per_s_plain": entry.get("rollout/tokens_per_second", math.nan),
-                }
-            )
+    for column, (run, metric) in STEP_COLUMNS.items():
+        for entry in runs.get(run, ([], 0))[0]:
+            if metric in entry and "step" in entry:
+                by_step.setdefault(entry["step"], {})[column] = entry[metric]
     for probe in probes:
         by_step.setdefault(probe["step"], {}).update({k: v for k, v in probe.items() if k != "step"})
-    columns = [
-        "step",
-        "reward_spec",
-        "reward_plain",
-        "acceptance_cotrained",
-        "acceptance_frozen",
-        "acceptance_rollouts",
-        "tokens_per_s_spec",
-        "tokens_per_s_plain",
-        "kl_from_initial",
-        "distinct_4grams",
-    ]
+    columns = ["step", *STEP_COLUMNS, *PROBE_COLUMNS]
     rows = [{"step": step, **{c: by_step[step].get(c, math.nan) for c in columns[1:]}} for step in sorted(by_step)]
     with open(output_dir / "results.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    header = "".join(f"{c:>22}" if i else f"{c:>6}" for i, c in enumerate(columns))
-    print("\n" + header)
-    for row in rows:
-        print("".join(f"{row[c]:>22.3f}" if i else f"{row[c]:>6d}" for i, c in enumerate(columns)))
+
+    summary = summarize(runs, rows, probes)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(summary)
     plot(rows, output_dir / "results.png")
-    return rows
+    return {"summary": summary, "rows": rows}
+
+
+def summarize(runs: dict[str, tuple[list[dict], float]], rows: list[dict], probes: list[dict]) -> dict:
+    summary: dict = {}
+    for run, (history, seconds) in runs.items():
+        totals = {part: sum(e.get(f"time/{part}", 0.0) for e in history) for part in TIME_PARTS}
+        step_total = sum(totals.values()) or math.nan
+        tokens_key = "spec/tokens_per_second" if run == "spec" else "rollout/tokens_per_second"
+        summary[run] = {
+            "grpo_seconds": seconds,
+            "rollout_tokens_per_second": _mean([e[tokens_key] for e in history if tokens_key in e]),
+            **{f"share_{part}": totals[part] / step_total for part in TIME_PARTS},
+        }
+    if "plain" in runs:
+        spec, plain = summary["spec"], summary["plain"]
+        summary["end_to_end_speedup"] = plain["grpo_seconds"] / spec["grpo_seconds"]
+        summary["rollout_speedup"] = spec["rollout_tokens_per_second"] / plain["rollout_tokens_per_second"]
+        rewards = {run: [r[f"reward_{run}"] for r in rows if not math.isnan(r[f"reward_{run}"])] for run in runs}
+        half = {run: values[len(values) // 2 :] for run, values in rewards.items()}
+        summary["reward_last_half"] = {run: _mean(values) for run, values in half.items()}
+        summary["reward_p_value"] = permutation_p_value(half["spec"], half["plain"])
+    history = runs["spec"][0]
+    summary["num_speculative_tokens"] = _mean(
+        [e["spec/num_speculative_tokens"] for e in history if "spec/num_speculative_tokens" in e]
+    )
+    summary["predicted_speedup"] = _mean(
+        [e["spec/predicted_speedup"] for e in history if "spec/predicted_speedup" in e]
+    )
+    summary["measured_speedup"] = _mean([e["spec/measured_speedup"] for e in history if "spec/measured_speedup" in e])
+    if probes:
+        first, last = probes[0], probes[-1]
+        summary["acceptance"] = {
+            "cotrained_start": first["acceptance_cotrained"],
+            "cotrained_end": last["acceptance_cotrained"],
+            "frozen_end": last["acceptance_frozen"],
+            "cotrained_over_frozen_end": last["acceptance_cotrained"] / last["acceptance_frozen"],
+            "cotrained_end_over_start": last["acceptance_cotrained"] / first["acceptance_cotrained"],
+        }
+        summary["kl_from_initial_end"] = last["kl_from_initial"]
+    return summary
+
+
+def permutation_p_value(a: list[float], b: list[float], *, permutations: int = 10_000, seed: int = 0) -> float:
+    """Two-sided p-value of ``mean(a) - mean(b)`` under random relabelling of the pooled values: the chance that
+    runs with the same reward law differ by at least this much."""
+    if not a or not b:
+        return math.nan
+    pooled = torch.tensor(a + b, dtype=torch.float64)
+    observed = abs(pooled[: len(a)].mean() - pooled[len(a) :].mean())
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.stack([torch.randperm(len(pooled), generator=generator) for _ in range(permutations)])
+    shuffled = pooled[order]
+    differences = (shuffled[:, : len(a)].mean(1) - shuffled[:, len(a) :].mean(1)).abs()
+    return float(((differences >= observed - 1e-12).sum() + 1) / (permutations + 1))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def print_summary(summary: dict) -> None:
+    print()
+    spec, plain = summary["spec"], summary.get("plain")
+    header = f"{'':34}{'with speculation':>18}{'plain TRL':>14}"
+    print(header)
+    print(
+        f"{'GRPO steps, wall seconds':34}{spec['grpo_seconds']:>18.1f}{plain['grpo_seconds'] if plain else math.nan:>14.1f}"
+    )
+    print(
+        f"{'rollout tokens / s':34}{spec['rollout_tokens_per_second']:>18.0f}"
+        f"{plain['rollout_tokens_per_second'] if plain else math.nan:>14.0f}"
+    )
+    for part in TIME_PARTS:
+        print(
+            f"{'share of step: ' + part:34}{spec[f'share_{part}']:>18.1%}{plain[f'share_{part}'] if plain else math.nan:>14.1%}"
+        )
+    if plain:
+        rewards = summary["reward_last_half"]
+        print(f"{'reward, mean over last half':34}{rewards['spec']:>18.3f}{rewards['plain']:>14.3f}")
+        print(
+            f"\nend to end {summary['end_to_end_speedup']:.2f}x, rollouts {summary['rollout_speedup']:.2f}x; rewards "
+            f"equal within noise: permutation test p = {summary['reward_p_value']:.2f}"
+        )
+    print(
+        f"K per round (auto) {summary['num_speculative_tokens']:.2f}; predicted speed-up "
+        f"{summary['predicted_speedup']:.2f}x, measured against plain rounds {summary['measured_speedup']:.2f}x"
+    )
+    if "acceptance" in summary:
+        acceptance = summary["acceptance"]
+        print(
+            f"acceptance at the end: co-trained {acceptance['cotrained_end']:.2f} / frozen {acceptance['frozen_end']:.2f} "
+            f"= {acceptance['cotrained_over_frozen_end']:.2f}x; co-trained kept {acceptance['cotrained_end_over_start']:.2f}x "
+            f"of its start ({acceptance['cotrained_start']:.2f}); KL from initial {summary['kl_from_initial_end']:.2f}"
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -473,17 +596,27 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print("[grpo_spec] matplotlib is not installed: no plot (pip install matplotlib).")
         return
-    steps = [row["step"] for row in rows]
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for key, label in (("reward_spec", "with speculation"), ("reward_plain", "without speculation")):
-        axes[0].plot(steps, [row[key] for row in rows], marker="o", label=label)
+
+    def series(axis, key, label=None, **style):
+        points = [(row["step"], row[key]) for row in rows if not math.isnan(row[key])]
+        if points:
+            axis.plot(*zip(*points), label=label, **style)
+
+    figure, axes = plt.subplots(1, 4, figsize=(20, 4))
+    series(axes[0], "reward_spec", "with speculation")
+    series(axes[0], "reward_plain", "without speculation")
     axes[0].set(title="reward", xlabel="step")
-    for key, label in (("acceptance_cotrained", "co-trained draft"), ("acceptance_frozen", "frozen warm-start draft")):
-        axes[1].plot(steps, [row[key] for row in rows], marker="o", label=label)
-    axes[1].set(title="acceptance length (same prompts, same seed)", xlabel="step")
-    axes[2].plot(steps, [row["kl_from_initial"] for row in rows], marker="o", color="tab:red")
-    axes[2].set(title="KL(policy || initial policy) per token", xlabel="step")
-    for axis in axes[:2]:
+    series(axes[1], "step_seconds_spec", "step, with speculation", color="tab:blue")
+    series(axes[1], "step_seconds_plain", "step, plain TRL", color="tab:orange")
+    series(axes[1], "generation_seconds_spec", "generation, with speculation", color="tab:blue", linestyle="--")
+    series(axes[1], "generation_seconds_plain", "generation, plain TRL", color="tab:orange", linestyle="--")
+    axes[1].set(title="seconds per GRPO step", xlabel="step")
+    series(axes[2], "acceptance_cotrained", "co-trained draft", marker="o")
+    series(axes[2], "acceptance_frozen", "frozen warm-start draft", marker="o")
+    axes[2].set(title="acceptance length (same prompts, same seed)", xlabel="step")
+    series(axes[3], "kl_from_initial", marker="o", color="tab:red")
+    axes[3].set(title="KL(policy || initial policy) per token", xlabel="step")
+    for axis in axes[:3]:
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

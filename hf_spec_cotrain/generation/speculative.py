@@ -39,6 +39,7 @@ from ..draft.modeling import causal_slot_mask
 from ..taps import TapRecorder
 from ..validation import check_int
 from .adaptive import FixedSpeculation, SpeculationPolicy
+from .decoding_attention import decoding_attention, grouped_attention
 
 
 __all__ = [
@@ -209,7 +210,7 @@ def speculative_generate(
     target.eval()
     draft.eval()
     try:
-        with torch.no_grad(), TapRecorder(target, aux_layer_ids) as recorder:
+        with torch.no_grad(), TapRecorder(target, aux_layer_ids) as recorder, decoding_attention(target):
             decoder = _SpeculativeDecoder(
                 target,
                 draft,
@@ -392,7 +393,7 @@ class _SpeculativeDecoder:
         with self.recorder.capture():
             logits = self.target(
                 input_ids=input_ids,
-                attention_mask=self.target_mask,
+                attention_mask=causal_slot_mask(self.target_mask, input_ids.shape[1]),
                 position_ids=position_ids,
                 past_key_values=self.target_cache,
                 use_cache=True,
@@ -460,7 +461,7 @@ class _SpeculativeDecoder:
 
         def attend(layer_index, q, k, v):
             k, v = cache.update(k, v, layer_index)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+            return grouped_attention(q, k, v, visible)
 
         hidden = self.draft.backbone(input_embeds, hidden, position_ids, attend)
         if select is None:

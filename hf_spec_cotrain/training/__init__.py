@@ -1,6 +1,7 @@
 """The pieces `SpecCoTrainGRPOTrainer` holds: the draft's co-training (`DraftCoTrainer`), the speculative rollouts
-(`SpeculativeRollouts`) and the training-step strategies of context and pipeline parallelism (`ContextParallelStep`,
-`PipelineParallelStep`, the latter running `PipelineCoTrainStep`). Imported lazily: they pull in TRL."""
+(`SpeculativeRollouts`), the training-step strategies of context and pipeline parallelism (`ContextParallelStep`,
+`PipelineParallelStep`, the latter running `PipelineCoTrainStep`) and the time split of a step (`StepTimes`).
+Imported lazily: they pull in TRL."""
 
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ __all__ = [
     "PipelineParallelStep",
     "PipelineStepOutput",
     "SpeculativeRollouts",
+    "StepTimes",
+    "StepTimesCallback",
     "grpo_loss",
 ]
 
@@ -26,6 +29,8 @@ _MODULE_OF = {
     "PipelineParallelStep": "steps",
     "PipelineStepOutput": "pipeline_step",
     "SpeculativeRollouts": "rollouts",
+    "StepTimes": "timing",
+    "StepTimesCallback": "timing",
     "grpo_loss": "pipeline_step",
 }
 
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
     from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput, grpo_loss
     from .rollouts import SpeculativeRollouts
     from .steps import ContextParallelStep, PipelineParallelStep
+    from .timing import StepTimes, StepTimesCallback
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__)
