@@ -7,8 +7,8 @@ With no options this runs the *embedded default* end to end on a CPU in under 10
    continue a letter sequence drawn from a fixed random Markov chain over ``abcdefgh``;
 2. a draft is warm-started offline (`hf_spec_cotrain.train_draft`) on that policy's own samples (cached);
 3. GRPO rewards completions rich in the letters ``efgh``. The reward is verifiable and hard to game: a
-   completion must also be exactly 128 letters, use at least 5 different letters and never repeat a letter 3
-   times in a row, so the policy's distribution moves a lot without collapsing. Completions of 128 tokens make
+   completion (128 tokens: the policy never ends early) must also be 128 letters, use at least 5 different
+   letters and never repeat a letter 3 times in a row, so the policy's distribution moves a lot without collapsing. Completions of 128 tokens make
    generation most of a step, as in RL on real tasks. The draft is co-trained every step, the rollouts use it
    with K chosen per decoding round (``num_speculative_tokens="auto"``), and every ``--probe_interval`` steps the
    acceptance length of the co-trained draft and of a frozen copy of the warm-start draft are measured on the
@@ -74,7 +74,7 @@ class ScriptArguments:
     )
     # Budgets in steps, not seconds, so that a busy machine builds the same embedded policy and draft.
     sft_steps: int = field(
-        default=200, metadata={"help": "Supervised steps of the embedded policy (32 sequences each)."}
+        default=150, metadata={"help": "Supervised steps of the embedded policy (16 sequences each)."}
     )
     warm_start_steps: int = field(default=300, metadata={"help": "Offline warm-start steps of the embedded draft."})
     warm_start_samples: int = field(
@@ -142,7 +142,7 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     generator = torch.Generator().manual_seed(seed)
     prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
     settings = {
-        "version": 3,
+        "version": 4,
         "sft_steps": script.sft_steps,
         "warm_start_steps": script.warm_start_steps,
         "warm_start_samples": script.warm_start_samples,
@@ -190,11 +190,10 @@ def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
     generator = torch.Generator().manual_seed(seed + 1)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(1, steps + 1):
-        texts = sample_letters(chain, 32, SEED_LENGTH + COMPLETION_LENGTH, generator)
+        texts = sample_letters(chain, 16, SEED_LENGTH + COMPLETION_LENGTH, generator)
+        # No EOS: a rollout runs to `max_completion_length`, as RL rollouts of a fixed budget do.
         ids = [
-            tokenizer(t[:SEED_LENGTH] + ":" + t[SEED_LENGTH:], add_special_tokens=False)["input_ids"]
-            + [tokenizer.eos_token_id]
-            for t in texts
+            tokenizer(t[:SEED_LENGTH] + ":" + t[SEED_LENGTH:], add_special_tokens=False)["input_ids"] for t in texts
         ]
         batch = torch.tensor(ids)
         loss = policy(input_ids=batch, labels=batch).loss
@@ -215,7 +214,7 @@ def generate_texts(policy, tokenizer, prompts: list[str], *, temperature: float)
         **encoded,
         do_sample=True,
         temperature=temperature,
-        max_new_tokens=COMPLETION_LENGTH + 1,
+        max_new_tokens=COMPLETION_LENGTH,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -350,10 +349,10 @@ class TimedGRPOTrainer(GRPOTrainer):
 # --------------------------------------------------------------------------------------------------- the run
 EMBEDDED_DEFAULTS = dict(
     output_dir="outputs/grpo_spec",
-    per_device_train_batch_size=16,
+    per_device_train_batch_size=8,
     num_generations=8,
-    max_completion_length=COMPLETION_LENGTH + 1,
-    max_steps=60,
+    max_completion_length=COMPLETION_LENGTH,
+    max_steps=80,
     learning_rate=3e-4,
     lr_scheduler_type="constant",
     beta=0.0,
@@ -366,6 +365,7 @@ EMBEDDED_DEFAULTS = dict(
     draft_warmup_steps=10,
     num_speculative_tokens="auto",
     max_speculative_tokens=5,
+    draft_train_fraction=0.5,
 )
 
 

@@ -200,12 +200,14 @@ def hf_speculative_run(
     groups: list[torch.Tensor],
     *,
     max_new_tokens: int,
-    k: int,
+    k,
     temperature: float,
     draft_sampling: str | None,
     seed: int,
+    rounds: list[tuple[int, int]] | None = None,
 ):
-    """A run of `speculative_generate` over the prompt batches (sampling with ``draft_sampling`` when T > 0)."""
+    """A run of `speculative_generate` over the prompt batches (sampling with ``draft_sampling`` when T > 0);
+    ``k`` is K or a `SpeculationPolicy`, whose ``(live rows, K)`` per round are appended to ``rounds``."""
     from hf_spec_cotrain.generation.speculative import speculative_generate
 
     eos, pad = target.generation_config.eos_token_id, target.generation_config.pad_token_id
@@ -228,6 +230,8 @@ def hf_speculative_run(
             result.completions += trim(out.sequences[:, input_ids.shape[1] :], eos_token_id=eos)
             result.num_drafts += out.num_drafts
             result.num_accepted += out.num_accepted_tokens
+            if rounds is not None:
+                rounds.extend(out.rounds)
         return result
 
     return run

@@ -173,9 +173,11 @@ def _start(target_dir: Path, draft_dir: Path, **kwargs) -> EngineHandle:
 
 @pytest.fixture
 def vllm_engine(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts) -> EngineHandle:
-    """The shared engine: the tiny Llama target speculating with the reduced-vocabulary draft "b"."""
+    """The shared engine: the tiny Llama target speculating with the reduced-vocabulary draft "b" (K adaptable)."""
     folder = tiny_llama_drafts.folders["reduced", "b"]
-    return vllm_engine_pool.get(("llama", "reduced"), lambda: _start(tiny_llama_dir, folder))
+    return vllm_engine_pool.get(
+        ("llama", "reduced"), lambda: _start(tiny_llama_dir, folder, adaptive_speculation=True)
+    )
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 
 
@@ -22,15 +23,23 @@ def grpo_spec(monkeypatch):
 
 
 def test_embedded_reward_is_verifiable(grpo_spec):
-    good = "efghaefgheabfghefghbefgh"
-    assert grpo_spec.letters([good]) == [sum(c in "efgh" for c in good) / 24]
-    assert (
-        grpo_spec.letters([good[:-1], "eeefghabefghefghefghefgh", "efefefefefefefefefefefef", good + "x"]) == [0] * 4
-    )
+    length = grpo_spec.COMPLETION_LENGTH
+    good = ("efghaefghe" * length)[:length]
+    assert grpo_spec.letters([good]) == [sum(c in "efgh" for c in good) / length]
+    triple = "eee" + good[3:]
+    too_few_letters = ("ef" * length)[:length]
+    assert grpo_spec.letters([good[:-1], triple, too_few_letters, good + "x", good[:-1] + "</s>"]) == [0] * 5
+
+
+def test_permutation_test_tells_equal_laws_from_shifted_ones(grpo_spec):
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.rand(40, generator=generator).tolist(), torch.rand(40, generator=generator).tolist()
+    assert grpo_spec.permutation_p_value(a, b) > 0.05
+    assert grpo_spec.permutation_p_value(a, [x + 0.3 for x in b]) < 0.001
 
 
 def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
-    rows = grpo_spec.main(
+    result = grpo_spec.main(
         [
             "--output_dir",
             str(tmp_path / "run"),
@@ -44,8 +53,8 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
             "32",
             "--max_steps",
             "2",
-            "--logging_steps",
-            "1",
+            "--max_completion_length",
+            "16",
             "--probe_prompts",
             "4",
             "--per_device_train_batch_size",
@@ -54,21 +63,32 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
             "4",
         ]
     )
+    rows, summary = result["rows"], result["summary"]
     assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert 0.0 <= row["reward_spec"] <= 1.0 and 0.0 <= row["reward_plain"] <= 1.0
-        assert row["acceptance_rollouts"] >= 1.0 and row["tokens_per_s_spec"] > 0 and row["tokens_per_s_plain"] > 0
-    for row in rows:
+        assert row["tokens_per_s_spec"] > 0 and row["tokens_per_s_plain"] > 0
+        assert 0 <= row["num_speculative_tokens"] <= 5
+        assert 0 < row["generation_seconds_spec"] < row["step_seconds_spec"]
+        assert 0 < row["generation_seconds_plain"] < row["step_seconds_plain"]
+    for row in (rows[0], rows[-1]):  # the probes: at the start and at the last step
         assert row["acceptance_cotrained"] >= 1.0 and row["acceptance_frozen"] >= 1.0
         assert row["kl_from_initial"] >= -1e-6 and 0.0 < row["distinct_4grams"] <= 1.0
     assert rows[0]["kl_from_initial"] == pytest.approx(0.0, abs=1e-6)
     # step 0: both drafts are the warm-start draft, same prompts, same seed
     assert rows[0]["acceptance_cotrained"] == rows[0]["acceptance_frozen"]
+    assert summary["end_to_end_speedup"] > 0 and summary["rollout_speedup"] > 0
+    for run in ("spec", "plain"):
+        shares = [summary[run][f"share_{part}"] for part in grpo_spec.TIME_PARTS]
+        assert sum(shares) == pytest.approx(1.0) and all(share >= 0 for share in shares)
+    assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
+    assert 0 <= summary["reward_p_value"] <= 1
     run = tmp_path / "run"
     with open(run / "results.csv") as handle:
         table = list(csv.DictReader(handle))
     assert [int(r["step"]) for r in table] == [0, 1, 2]
     assert math.isclose(float(table[-1]["acceptance_frozen"]), rows[-1]["acceptance_frozen"], rel_tol=1e-6)
+    assert json.loads((run / "summary.json").read_text())["end_to_end_speedup"] == summary["end_to_end_speedup"]
     assert (run / "results.png").stat().st_size > 10_000
     draft = run / "draft"
     assert json.loads((draft / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]

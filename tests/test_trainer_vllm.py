@@ -76,3 +76,45 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         assert (vllm_out.spec_decode.num_drafts, vllm_out.spec_decode.num_accepted_tokens) == (hf_drafts, hf_accepted)
     finally:
         engine.close()
+
+
+def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, tiny_policy_dir):
+    """`num_speculative_tokens="auto"`: the colocated engine is built with K_max and the cost model sets K before
+    every call: K_max then 0 on the first two calls (both ends measured), then its best."""
+    vllm_engine_pool.close()
+    config = SpecCoTrainConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        seed=5,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128,
+        num_speculative_tokens="auto",
+        max_speculative_tokens=3,
+    )
+    trainer = SpecCoTrainGRPOTrainer(
+        model=str(tiny_policy_dir),
+        reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=build_char_tokenizer(),
+    )
+    engine = trainer.rollout_engine
+    try:
+        assert engine.adaptive_speculation and engine.max_speculative_tokens == 3
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "spec/num_speculative_tokens" in entry]
+        assert [entry["spec/num_speculative_tokens"] for entry in logs][:2] == [3, 0]
+        assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
+        assert logs[-1]["spec/predicted_speedup"] > 0 and logs[-1]["spec/measured_speedup"] > 0
+        assert "spec/accepted_per_position_2" in logs[0]
+    finally:
+        engine.close()

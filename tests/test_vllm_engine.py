@@ -44,6 +44,8 @@ def test_missing_vllm_names_the_extras(monkeypatch):
         ({"draft_sample_method": "probabilistic"}, "need a draft_model"),
         ({"draft_model": "draft", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
         ({"draft_model": "draft", "speculative_config": {}}, "not both"),
+        ({"adaptive_speculation": True}, "needs a draft_model"),
+        ({"draft_model": "draft", "adaptive_speculation": True, "enforce_eager": False}, "enforce_eager=True"),
     ],
 )
 def test_constructor_rejects_bad_arguments_before_starting_vllm(kwargs, message):
@@ -76,6 +78,27 @@ def test_speculative_greedy_equals_hf_greedy(vllm_engine):
     again = vllm_engine.greedy()
     # Counters are per call, and the same greedy rollout drafts and accepts the same tokens.
     assert again.completion_ids == hf_greedy and again.spec_decode == fresh.spec_decode
+
+
+@pytest.mark.vllm
+def test_adaptive_engine_changes_k_between_calls_and_stays_lossless(vllm_engine):
+    """The shared engine is built with adaptive speculation: K = 0 is plain decoding, and every K keeps greedy
+    equal to HF's."""
+    engine, hf_greedy = vllm_engine.engine, vllm_engine.hf_greedy(vllm_engine.hf_target())
+    assert engine.adaptive_speculation and engine.max_speculative_tokens == 3
+    try:
+        for k in (0, 1, 2):
+            engine.set_num_speculative_tokens(k)
+            out = vllm_engine.greedy()
+            assert out.completion_ids == hf_greedy
+            assert out.spec_decode.num_draft_tokens == k * out.spec_decode.num_drafts
+            assert (out.spec_decode.num_drafts > 0) == (k > 0)
+        for bad in (4, -1, 1.5):
+            with pytest.raises(ValueError, match="must be an int in"):
+                engine.set_num_speculative_tokens(bad)
+    finally:
+        engine.set_num_speculative_tokens(3)
+    assert vllm_engine.greedy().spec_decode == vllm_engine.fresh_greedy.spec_decode
 
 
 @pytest.mark.vllm

@@ -53,6 +53,7 @@ _SPEC_COUNTERS = {
 _SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 _LOADERS = {"policy": load_policy_weights, "draft": load_draft_weights}
 _NO_DRAFT_TO_SYNC = "This engine has no draft: build it with draft_model=... to sync a draft."
+_ANY_BATCH_SIZE = 1 << 20  # a schedule range that covers every batch the engine can run
 
 
 def _import_vllm():
@@ -74,7 +75,12 @@ class VLLMRolloutEngine:
     Args:
         model: Folder of the policy (a HF checkpoint vLLM can load).
         draft_model: Folder of an EAGLE-3 draft checkpoint (docs/design.md section 3), or None for no speculation.
-        num_speculative_tokens: Tokens the draft proposes per step.
+        num_speculative_tokens: Tokens the draft proposes per step (with `adaptive_speculation`, the most it may).
+        adaptive_speculation: Let `set_num_speculative_tokens` change K between calls, from 0 (plain decoding)
+            to `num_speculative_tokens`. The engine is built with vLLM's batch-size schedule
+            (`num_speculative_tokens_per_batch_size`), whose lookup the scheduler reads at every step; this
+            replaces that lookup. Needs `enforce_eager=True` (the CPU default): CUDA graphs are captured for the
+            schedule the engine started with.
         draft_sample_method: vLLM's `speculative_config.draft_sample_method` ("greedy" proposes the draft's
             argmax, "probabilistic" samples from it); None keeps vLLM's default.
         rejection_sample_method: vLLM's `speculative_config.rejection_sample_method`; None keeps the default.
@@ -98,6 +104,7 @@ class VLLMRolloutEngine:
         *,
         draft_model: str | Path | None = None,
         num_speculative_tokens: int = 3,
+        adaptive_speculation: bool = False,
         draft_sample_method: str | None = None,
         rejection_sample_method: str | None = None,
         seed: int = 0,
@@ -122,6 +129,10 @@ class VLLMRolloutEngine:
             raise ValueError("draft_sample_method and rejection_sample_method need a draft_model.")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be at least 1.")
+        if adaptive_speculation and draft_model is None:
+            raise ValueError(
+                "adaptive_speculation=True needs a draft_model: it chooses how many tokens the draft proposes."
+            )
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: dict[str, Any] = {"seed": seed, "disable_log_stats": False}
@@ -138,8 +149,19 @@ class VLLMRolloutEngine:
                 speculative_config["draft_sample_method"] = draft_sample_method
             if rejection_sample_method is not None:
                 speculative_config["rejection_sample_method"] = rejection_sample_method
+            if adaptive_speculation:
+                speculative_config["num_speculative_tokens_per_batch_size"] = [
+                    (1, _ANY_BATCH_SIZE, num_speculative_tokens)
+                ]
             kwargs["speculative_config"] = speculative_config
         kwargs.update(llm_kwargs)
+        if adaptive_speculation and not kwargs.get("enforce_eager", False):
+            raise ValueError(
+                "adaptive_speculation=True changes K between calls, but vLLM captures CUDA graphs for the K schedule "
+                "an engine starts with: pass enforce_eager=True, or a fixed num_speculative_tokens."
+            )
+        self.max_speculative_tokens = num_speculative_tokens
+        self.adaptive_speculation = adaptive_speculation
 
         # The CPU worker replaces torch.set_num_threads in this process; `close` puts it back.
         self._set_num_threads = torch.set_num_threads
@@ -216,6 +238,24 @@ class VLLMRolloutEngine:
             completion_ids=[list(completion.token_ids) for completion in completions],
             logprobs=completion_logprobs,
             spec_decode=spec_decode,
+        )
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Draft ``k`` tokens per step in the next calls, from 0 (plain decoding) to the engine's
+        `max_speculative_tokens` (an engine built with ``adaptive_speculation=True``)."""
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        if not self.adaptive_speculation:
+            raise ValueError(
+                "This engine speculates a fixed number of tokens: build it with adaptive_speculation=True to change K."
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_speculative_tokens:
+            raise ValueError(f"k={k!r} is not allowed: it must be an int in [0, {self.max_speculative_tokens}].")
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler  # in-process (see the class docstring)
+        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            [(1, _ANY_BATCH_SIZE, k)],
+            vllm_max_batch_size=scheduler.scheduler_config.max_num_seqs,
+            vllm_num_speculative_tokens=self.max_speculative_tokens,
         )
 
     def spec_decode_counters(self) -> SpecDecodeStats:

@@ -164,6 +164,7 @@ class SpeculativeRollouts:
                 self.sync_engine()
             self._engine_synced_step = step
         sampling = self.sampling
+        k = self._engine_k(len(prompt_ids))
         started = time.perf_counter()
         out = self.engine.generate(
             prompt_ids,
@@ -173,8 +174,25 @@ class SpeculativeRollouts:
             top_k=sampling.top_k,
         )
         elapsed = time.perf_counter() - started
-        self._log_metrics(out.spec_decode, sum(map(len, out.completion_ids)), elapsed, step=step, training=training)
+        num_tokens = sum(map(len, out.completion_ids))
+        if self._adapts_engine:
+            _observe_engine_call(self.speculation, len(prompt_ids), k, out.spec_decode, num_tokens, elapsed)
+        self._log_metrics(out.spec_decode, num_tokens, elapsed, step=step, training=training, engine_k=k)
         return out.completion_ids, None
+
+    @property
+    def _adapts_engine(self) -> bool:
+        return isinstance(self.speculation, AdaptiveSpeculation) and getattr(
+            self.engine, "adaptive_speculation", False
+        )
+
+    def _engine_k(self, batch_size: int) -> int:
+        """K of this engine call: the cost model's choice for the call's batch when the engine can change it."""
+        if not self._adapts_engine:
+            return self.args.max_draft_tokens
+        k = self.speculation.choose(batch_size)
+        self.engine.set_num_speculative_tokens(k)
+        return k
 
     def sync_engine(self) -> None:
         """Push the policy and the draft: into this process's engine, or once, from the main process, into the
@@ -208,7 +226,9 @@ class SpeculativeRollouts:
 
     # ------------------------------------------------------------------ metrics
 
-    def _log_metrics(self, counters, num_tokens: int, elapsed: float, *, step: int, training: bool) -> None:
+    def _log_metrics(
+        self, counters, num_tokens: int, elapsed: float, *, step: int, training: bool, engine_k: int | None = None
+    ) -> None:
         """``spec/*`` from one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`), summed over the processes
         that generated."""
         mode = "train" if training else "eval"
@@ -232,17 +252,20 @@ class SpeculativeRollouts:
         for position in range(k):
             metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
         metrics["spec/tokens_per_second"].append((total[2] / (total[3] / generating_processes)).item())
-        for name, value in self._speculation_metrics(counters).items():
+        for name, value in self._speculation_metrics(counters, engine_k).items():
             metrics[name].append(value)
         if training:
             self.acceptance_history.append((step, acceptance))
 
-    def _speculation_metrics(self, counters) -> dict[str, float]:
+    def _speculation_metrics(self, counters, engine_k: int | None) -> dict[str, float]:
         """This process's K (averaged over rows and rounds) and, under adaptive speculation, the cost model's
         predicted speed-up over plain decoding and the measured one where both were run."""
-        if not isinstance(counters, SpeculativeOutput) or not counters.rounds:  # vLLM: the engine's K
-            return {"spec/num_speculative_tokens": float(self.args.max_draft_tokens)}
-        rounds = counters.rounds
+        if isinstance(counters, SpeculativeOutput):
+            rounds = counters.rounds
+        else:  # a vLLM call: one K for the whole call
+            rounds = [(1, self.args.max_draft_tokens if engine_k is None else engine_k)]
+        if not rounds:
+            return {}
         values = {"spec/num_speculative_tokens": _row_weighted_mean([(live, k) for live, k in rounds])}
         if isinstance(self.speculation, AdaptiveSpeculation):
             model = self.speculation
@@ -251,6 +274,24 @@ class SpeculativeRollouts:
                 if not math.isnan(mean):
                     values[f"spec/{name}_speedup"] = mean
         return values
+
+
+def _observe_engine_call(
+    model: AdaptiveSpeculation, batch_size: int, k: int, counters, num_tokens: int, seconds: float
+) -> None:
+    """Feed the cost model one engine call as its average decoding step: the engine reports no per-step times, so
+    the draft's share stays in the step's time (the model's line over K + 1 carries it)."""
+    row_steps = counters.num_drafts if k else num_tokens  # every running row drafts (or decodes) once per step
+    if not row_steps:
+        return
+    steps = max(row_steps / batch_size, 1.0)
+    model.observe_round(
+        batch_size, k, seconds=seconds / steps, draft_seconds=0.0, tokens_per_row=num_tokens / row_steps
+    )
+    if k:
+        accepted = list(counters.accepted_per_position)[:k]
+        reached = [counters.num_drafts, *accepted[:-1]]  # a position is reached once the one before is accepted
+        model.observe_acceptance(reached, accepted)
 
 
 def _row_weighted_mean(values: list[tuple[int, float]]) -> float:
@@ -270,6 +311,11 @@ def build_rollout_engine(
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         client = VLLMServerClient(base_url, timeout=max(args.vllm_server_timeout, 600.0))
         client.wait_until_ready(timeout=args.vllm_server_timeout)
+        if args.num_speculative_tokens == "auto":
+            logger.warning(
+                "num_speculative_tokens='auto' with vllm_mode='server': the server speculates the fixed K it was "
+                "started with (spec/num_speculative_tokens shows it); colocated vLLM and HF-native rollouts adapt K."
+            )
         return client
     from ..generation.vllm_engine import VLLMRolloutEngine
 
@@ -284,10 +330,20 @@ def build_rollout_engine(
     bootstrap = {**draft.state_dict(), "lm_head.weight": -draft.lm_head.weight.detach()}
     draft.save_pretrained(draft_folder, state_dict=bootstrap)
     draft_sample_method, rejection_sample_method = vllm_sampling_methods(draft, args)
+    adaptive = args.num_speculative_tokens == "auto"
+    eager = {}
+    if adaptive and torch.cuda.is_available():
+        logger.warning(
+            "num_speculative_tokens='auto' runs the colocated vLLM engine without CUDA graphs (enforce_eager=True), "
+            "so that K can change between calls; a fixed num_speculative_tokens keeps them."
+        )
+        eager = {"enforce_eager": True}
     return VLLMRolloutEngine(
         policy_folder,
         draft_model=draft_folder,
         num_speculative_tokens=args.max_draft_tokens,
+        adaptive_speculation=adaptive,
+        **eager,
         draft_sample_method=draft_sample_method,
         rejection_sample_method=rejection_sample_method,
         seed=args.seed,
