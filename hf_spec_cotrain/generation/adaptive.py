@@ -6,15 +6,21 @@ one over few rows is overhead-bound), and the acceptance moves with the policy a
 choice is made per decoding round, from what the generator itself measured on this machine and this policy:
 
 * ``target(b, n)``: seconds of a round's non-draft part (the target's forward over ``n = K + 1`` tokens per row,
-  verification and bookkeeping) at batch-size bucket ``b`` (the batch rounded up to a power of two), measured
-  for the K actually run and interpolated linearly in ``n`` for the others;
+  verification and bookkeeping) at batch-size bucket ``b`` (the batch rounded up to a power of two): a line in
+  ``n`` fitted to the moving averages of every K run there, each weighted by how often it was run, so that every
+  round refines the prediction for every K and one noisy round of a rarely run K cannot steer the choice;
 * ``draft(b)``: seconds of the draft per proposed token (its chain steps and its pass over the verified
   positions), measured on rounds with ``K > 0``;
 * ``alpha_i``: acceptance of draft position ``i`` given that positions ``< i`` were accepted, from the
   generator's own counters, exponentially forgotten (each position's estimate shrinks towards the one before it,
   so a position never drafted yet borrows its neighbour's rate).
 
-The predicted tokens per second of K are ``E(K) / (target(b, K + 1) + K * draft(b))`` with
+Both times are kept at a reference speed of the machine, and a fast moving average ``speed(b)`` of how much
+slower or faster each round ran than predicted tracks the machine's drift (a loaded or throttled CPU slows every K
+alike): so K's measured a while ago stay comparable with the one running now, and the choice depends on their
+relative costs only.
+
+The predicted tokens per second of K are ``E(K) / (speed(b) * (target(b, K + 1) + K * draft(b)))`` with
 ``E(K) = 1 + sum_{j=1..K} prod_{i<j} alpha_i`` tokens per round; K = 0 gives ``1 / target(b, 1)``. A new bucket
 first runs ``K_max`` and then 0 (the two ends of the line), and every ``explore_interval`` rounds a bucket runs the
 K measured longest ago, so a stale estimate corrects itself.
@@ -75,23 +81,26 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class _Smoothed:
-    """An exponential moving average that remembers when it was last fed (in rounds of its bucket)."""
+    """An exponential moving average that remembers when it was last fed (in rounds of its bucket) and how often."""
 
     value: float
     updated_at: int
+    count: int = 1
 
     def update(self, sample: float, weight: float, now: int) -> None:
         self.value += weight * (sample - self.value)
         self.updated_at = now
+        self.count += 1
 
 
 @dataclass
 class _Bucket:
     rounds: int = 0
-    target: dict[int, _Smoothed] = field(default_factory=dict)  # tokens per row verified (K + 1) -> seconds
+    speed: float = 1.0  # seconds now per second at the reference speed
+    target: dict[int, _Smoothed] = field(default_factory=dict)  # K + 1 -> seconds at the reference speed
+    draft: _Smoothed | None = None  # seconds per drafted token at the reference speed
     tokens: dict[int, _Smoothed] = field(default_factory=dict)  # K -> tokens emitted per row per round
-    seconds: dict[int, _Smoothed] = field(default_factory=dict)  # K -> seconds per round
-    draft: _Smoothed | None = None  # seconds per drafted token
+    seconds: dict[int, _Smoothed] = field(default_factory=dict)  # K -> seconds per round, as measured
 
 
 class AdaptiveSpeculation:
@@ -101,6 +110,7 @@ class AdaptiveSpeculation:
         max_speculative_tokens: ``K_max``; K ranges over ``0 .. K_max``.
         explore_interval: every this many rounds of a batch-size bucket, run the K measured longest ago.
         smoothing: weight of a new timing in its moving average.
+        drift_smoothing: weight of a round in the moving average of the machine's speed.
         acceptance_memory: acceptance counts are multiplied by this at every observation (about
             ``1 / (1 - acceptance_memory)`` rounds are remembered).
         prior_strength: pseudo-drafts by which a position's acceptance leans towards the position before it
@@ -112,14 +122,19 @@ class AdaptiveSpeculation:
         max_speculative_tokens: int,
         *,
         explore_interval: int = 50,
-        smoothing: float = 0.2,
+        smoothing: float = 0.1,
+        drift_smoothing: float = 0.3,
         acceptance_memory: float = 0.98,
         prior_acceptance: float = 0.5,
         prior_strength: float = 2.0,
     ):
         self.max_speculative_tokens = check_int(max_speculative_tokens, "max_speculative_tokens")
         self.explore_interval = check_int(explore_interval, "explore_interval")
-        for name, value in (("smoothing", smoothing), ("acceptance_memory", acceptance_memory)):
+        for name, value in (
+            ("smoothing", smoothing),
+            ("drift_smoothing", drift_smoothing),
+            ("acceptance_memory", acceptance_memory),
+        ):
             if not 0 < value <= 1:
                 raise ValueError(f"`{name}`={value!r} is not allowed: it must be in (0, 1].")
         if not 0 <= prior_acceptance <= 1 or not prior_strength > 0:
@@ -127,7 +142,7 @@ class AdaptiveSpeculation:
                 f"`prior_acceptance`={prior_acceptance!r} must be in [0, 1] and `prior_strength`={prior_strength!r} "
                 "> 0."
             )
-        self.smoothing, self.acceptance_memory = smoothing, acceptance_memory
+        self.smoothing, self.drift_smoothing, self.acceptance_memory = smoothing, drift_smoothing, acceptance_memory
         self.prior_acceptance, self.prior_strength = prior_acceptance, prior_strength
         self._reached = [0.0] * max_speculative_tokens
         self._accepted = [0.0] * max_speculative_tokens
@@ -178,14 +193,9 @@ class AdaptiveSpeculation:
     def predicted_round_seconds(self, batch_size: int, k: int) -> float:
         """Seconds of one round of K drafts at this batch size (NaN until something is measured there)."""
         bucket = self._buckets.get(batch_bucket(batch_size))
-        if bucket is None or not bucket.target:
+        if bucket is None:
             return math.nan
-        seconds = _interpolate({n: s.value for n, s in bucket.target.items()}, k + 1)
-        if k:
-            if bucket.draft is None:
-                return math.nan
-            seconds += k * bucket.draft.value
-        return seconds
+        return bucket.speed * _reference_round_seconds(bucket, k)
 
     def predicted_tokens_per_second(self, batch_size: int, k: int) -> float:
         return self.expected_tokens(k) / self.predicted_round_seconds(batch_size, k)
@@ -210,15 +220,18 @@ class AdaptiveSpeculation:
         bucket = self._bucket(batch_size)
         bucket.rounds += 1
         now, weight = bucket.rounds, self.smoothing
-        _feed(bucket.target, k + 1, seconds - draft_seconds, weight, now)
-        _feed(bucket.seconds, k, seconds, weight, now)
-        _feed(bucket.tokens, k, tokens_per_row, weight, now)
+        expected = _reference_round_seconds(bucket, k)
+        if expected > 0:  # NaN (nothing to compare with yet) fails this too
+            bucket.speed += self.drift_smoothing * (seconds / expected - bucket.speed)
+        _feed(bucket.target, k + 1, (seconds - draft_seconds) / bucket.speed, weight, now)
         if k:
-            per_token = draft_seconds / k
+            per_token = draft_seconds / k / bucket.speed
             if bucket.draft is None:
                 bucket.draft = _Smoothed(per_token, now)
             else:
                 bucket.draft.update(per_token, weight, now)
+        _feed(bucket.seconds, k, seconds, weight, now)
+        _feed(bucket.tokens, k, tokens_per_row, weight, now)
 
     def observe_acceptance(self, reached: list[int], accepted: list[int]) -> None:
         memory = self.acceptance_memory
@@ -240,17 +253,23 @@ def _feed(table: dict[int, _Smoothed], key: int, sample: float, weight: float, n
         table[key] = _Smoothed(sample, now)
 
 
-def _interpolate(points: dict[int, float], n: int) -> float:
-    """``points[n]`` if measured; else the least-squares line through the measured points (flat through a single
-    one), never below the nearest measured point under ``n`` (a forward over more tokens costs no less)."""
-    if n in points:
-        return points[n]
-    xs = sorted(points)
-    if len(xs) == 1:
-        return points[xs[0]]
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(points[x] for x in xs) / len(xs)
-    slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / sum((x - mean_x) ** 2 for x in xs)
-    estimate = mean_y + slope * (n - mean_x)
-    below = [points[x] for x in xs if x < n]
-    return max(estimate, below[-1]) if below else estimate
+def _reference_round_seconds(bucket: _Bucket, k: int) -> float:
+    """A round of K drafts at the bucket's reference speed (NaN until its parts were measured)."""
+    if not bucket.target or (k and bucket.draft is None):
+        return math.nan
+    return _fitted_line(bucket.target, k + 1) + (k * bucket.draft.value if k else 0.0)
+
+
+def _fitted_line(points: dict[int, _Smoothed], n: int, *, max_weight: int = 20) -> float:
+    """The line ``a + b * n`` (``b >= 0``: a forward over more tokens costs no less) fitted by least squares to the
+    measured points, each weighted by its number of observations (at most ``max_weight``); flat through a single
+    point."""
+    weights = {x: min(point.count, max_weight) for x, point in points.items()}
+    total = sum(weights.values())
+    mean_x = sum(w * x for x, w in weights.items()) / total
+    mean_y = sum(w * points[x].value for x, w in weights.items()) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, w in weights.items())
+    slope = 0.0
+    if spread > 0:
+        slope = max(sum(w * (x - mean_x) * (points[x].value - mean_y) for x, w in weights.items()) / spread, 0.0)
+    return mean_y + slope * (n - mean_x)
