@@ -225,14 +225,23 @@ def generate_texts(policy, tokenizer, prompts: list[str], *, temperature: float)
 # ----------------------------------------------------------------------------------------- measuring the run
 class DriftProbe(TrainerCallback):
     """Every ``interval`` steps: acceptance of the co-trained and of the frozen warm-start draft on the same prompts
-    and seed, KL of the policy from its initial self on those rollouts, and how varied the rollouts are. Its own
-    time is kept in ``seconds``, so that the GRPO steps can be timed without it."""
+    and seed, KL of the policy from its initial self on those rollouts, and how varied the rollouts are. With a
+    ``reward_func``, the same prompts are also sampled without speculation and both sets of completions rewarded:
+    at one policy, speculative and plain sampling must give the same reward law (``rollout_rewards``). Its own time
+    is kept in ``seconds``, so that the GRPO steps can be timed without it."""
 
     def __init__(
-        self, trainer: SpecCoTrainGRPOTrainer, prompts: list[str], num_speculative_tokens: int, interval: int
+        self,
+        trainer: SpecCoTrainGRPOTrainer,
+        prompts: list[str],
+        num_speculative_tokens: int,
+        interval: int,
+        reward_func=None,
     ):
         self.trainer = trainer
         self.interval = interval
+        self.reward_func = reward_func
+        self.rollout_rewards: list[tuple[list[float], list[float]]] = []  # (speculative, plain) per probe
         self.seconds = 0.0
         self.frozen_draft = _copy_draft(trainer.draft)
         self.initial_policy = _copy_policy(trainer)
@@ -281,11 +290,37 @@ class DriftProbe(TrainerCallback):
             if name == "cotrained":
                 sequences = out.sequences
         row.update(self._drift(policy, sequences))
+        if self.reward_func is not None:
+            self.rollout_rewards.append((self._rewards(sequences), self._rewards(self._plain_sample(policy, step))))
         self.rows.append(row)
         print(
             f"[grpo_spec] step {step}: acceptance co-trained {row['acceptance_cotrained']:.2f} / frozen "
             f"{row['acceptance_frozen']:.2f}, KL from initial {row['kl_from_initial']:.3f}"
         )
+
+    def _plain_sample(self, policy, step: int) -> torch.Tensor:
+        args, device = self.trainer.args, next(policy.parameters()).device
+        tokenizer = self.trainer.processing_class
+        torch.manual_seed(2000 + step)
+        was_training = policy.training
+        policy.eval()
+        sequences = policy.generate(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            do_sample=True,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            max_new_tokens=args.max_completion_length,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        policy.train(was_training)
+        return sequences
+
+    def _rewards(self, sequences: torch.Tensor) -> list[float]:
+        tokenizer = self.trainer.processing_class
+        texts = tokenizer.batch_decode(sequences[:, self.input_ids.shape[1] :], skip_special_tokens=True)
+        return [float(r) for r in self.reward_func(completions=texts)]
 
     def _drift(self, policy, sequences: torch.Tensor) -> dict:
         prompt_length = self.input_ids.shape[1]
@@ -416,7 +451,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     probe = None
     if probe_prompts:
-        probe = DriftProbe(trainer, probe_prompts, config.max_draft_tokens, script.probe_interval)
+        embedded_reward = reward_funcs[0] if script.model_name_or_path is None else None
+        probe = DriftProbe(
+            trainer, probe_prompts, config.max_draft_tokens, script.probe_interval, reward_func=embedded_reward
+        )
         trainer.add_callback(probe)
     spec_seconds = timed_train(trainer) - (probe.seconds if probe else 0.0)
     runs = {"spec": (trainer.state.log_history, spec_seconds)}
@@ -434,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
         plain_seconds = timed_train(baseline)
         runs["plain"] = (baseline.state.log_history, plain_seconds)
 
-    summary = report(runs, probe.rows if probe else [], output_dir)
+    summary = report(runs, probe.rows if probe else [], output_dir, probe.rollout_rewards if probe else [])
     print(
         f"[grpo_spec] done in {time.perf_counter() - started:.0f} s; draft with model card in "
         f"{output_dir / 'draft'}; tables in {output_dir / 'summary.json'} and {output_dir / 'results.csv'}, plot in "
@@ -469,9 +507,15 @@ PROBE_COLUMNS = ["acceptance_cotrained", "acceptance_frozen", "kl_from_initial",
 TIME_PARTS = ("generation", "draft_training", "weight_sync", "policy_training")
 
 
-def report(runs: dict[str, tuple[list[dict], float]], probes: list[dict], output_dir: Path) -> dict:
+def report(
+    runs: dict[str, tuple[list[dict], float]],
+    probes: list[dict],
+    output_dir: Path,
+    rollout_rewards: list[tuple[list[float], list[float]]] = (),
+) -> dict:
     """Join the logs by step; print and write the summary (summary.json), the per-step table (results.csv) and
-    the plot (results.png). ``runs``: "spec" and, with the baseline, "plain": (log history, GRPO seconds)."""
+    the plot (results.png). ``runs``: "spec" and, with the baseline, "plain": (log history, GRPO seconds);
+    ``rollout_rewards``: the probes' rewards of speculative and of plain samples at the same policy."""
     by_step: dict[int, dict] = {}
     for column, (run, metric) in STEP_COLUMNS.items():
         for entry in runs.get(run, ([], 0))[0]:
@@ -486,14 +530,16 @@ def report(runs: dict[str, tuple[list[dict], float]], probes: list[dict], output
         writer.writeheader()
         writer.writerows(rows)
 
-    summary = summarize(runs, rows, probes)
+    summary = summarize(runs, rows, probes, rollout_rewards)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     plot(rows, output_dir / "results.png")
     return {"summary": summary, "rows": rows}
 
 
-def summarize(runs: dict[str, tuple[list[dict], float]], rows: list[dict], probes: list[dict]) -> dict:
+def summarize(
+    runs: dict[str, tuple[list[dict], float]], rows: list[dict], probes: list[dict], rollout_rewards
+) -> dict:
     summary: dict = {}
     for run, (history, seconds) in runs.items():
         totals = {part: sum(e.get(f"time/{part}", 0.0) for e in history) for part in TIME_PARTS}
@@ -511,7 +557,16 @@ def summarize(runs: dict[str, tuple[list[dict], float]], rows: list[dict], probe
         rewards = {run: [r[f"reward_{run}"] for r in rows if not math.isnan(r[f"reward_{run}"])] for run in runs}
         half = {run: values[len(values) // 2 :] for run, values in rewards.items()}
         summary["reward_last_half"] = {run: _mean(values) for run, values in half.items()}
-        summary["reward_p_value"] = permutation_p_value(half["spec"], half["plain"])
+        # Steps of one run are not independent (each starts from the policy the previous ones made), so the
+        # curves are compared by blocks of REWARD_BLOCK steps.
+        blocks = {run: _block_means(values, REWARD_BLOCK) for run, values in half.items()}
+        summary["reward_block_p_value"] = permutation_p_value(blocks["spec"], blocks["plain"])
+    if rollout_rewards:
+        summary["probe_rollout_reward"] = {
+            "spec": _mean([r for spec, _ in rollout_rewards for r in spec]),
+            "plain": _mean([r for _, plain in rollout_rewards for r in plain]),
+        }
+        summary["probe_rollout_p_value"] = permutation_p_value(*map(list, zip(*rollout_rewards)), stratified=True)
     history = runs["spec"][0]
     summary["num_speculative_tokens"] = _mean(
         [e["spec/num_speculative_tokens"] for e in history if "spec/num_speculative_tokens" in e]
@@ -533,18 +588,31 @@ def summarize(runs: dict[str, tuple[list[dict], float]], rows: list[dict], probe
     return summary
 
 
-def permutation_p_value(a: list[float], b: list[float], *, permutations: int = 10_000, seed: int = 0) -> float:
+def permutation_p_value(a, b, *, stratified: bool = False, permutations: int = 10_000, seed: int = 0) -> float:
     """Two-sided p-value of ``mean(a) - mean(b)`` under random relabelling of the pooled values: the chance that
-    runs with the same reward law differ by at least this much."""
-    if not a or not b:
+    samples of one law differ by at least this much. ``stratified``: ``a`` and ``b`` are lists of groups (one per
+    probe) and labels are exchanged within a group only; the statistic is the mean of the groups' differences."""
+    groups = list(zip(a, b)) if stratified else [(a, b)]
+    groups = [(list(x), list(y)) for x, y in groups if len(x) and len(y)]
+    if not groups:
         return math.nan
-    pooled = torch.tensor(a + b, dtype=torch.float64)
-    observed = abs(pooled[: len(a)].mean() - pooled[len(a) :].mean())
     generator = torch.Generator().manual_seed(seed)
-    order = torch.stack([torch.randperm(len(pooled), generator=generator) for _ in range(permutations)])
-    shuffled = pooled[order]
-    differences = (shuffled[:, : len(a)].mean(1) - shuffled[:, len(a) :].mean(1)).abs()
-    return float(((differences >= observed - 1e-12).sum() + 1) / (permutations + 1))
+    observed = torch.zeros((), dtype=torch.float64)
+    shuffled_total = torch.zeros(permutations, dtype=torch.float64)
+    for x, y in groups:
+        pooled = torch.tensor(x + y, dtype=torch.float64)
+        observed += pooled[: len(x)].mean() - pooled[len(x) :].mean()
+        order = torch.stack([torch.randperm(len(pooled), generator=generator) for _ in range(permutations)])
+        shuffled = pooled[order]
+        shuffled_total += shuffled[:, : len(x)].mean(1) - shuffled[:, len(x) :].mean(1)
+    return float(((shuffled_total.abs() >= observed.abs() - 1e-12).sum() + 1) / (permutations + 1))
+
+
+REWARD_BLOCK = 10
+
+
+def _block_means(values: list[float], size: int) -> list[float]:
+    return [_mean(values[start : start + size]) for start in range(0, len(values) - size + 1, size)] or [_mean(values)]
 
 
 def _mean(values: list[float]) -> float:
@@ -571,8 +639,15 @@ def print_summary(summary: dict) -> None:
         rewards = summary["reward_last_half"]
         print(f"{'reward, mean over last half':34}{rewards['spec']:>18.3f}{rewards['plain']:>14.3f}")
         print(
-            f"\nend to end {summary['end_to_end_speedup']:.2f}x, rollouts {summary['rollout_speedup']:.2f}x; rewards "
-            f"equal within noise: permutation test p = {summary['reward_p_value']:.2f}"
+            f"\nend to end {summary['end_to_end_speedup']:.2f}x, rollouts {summary['rollout_speedup']:.2f}x; reward "
+            f"curves, permutation test over blocks of {REWARD_BLOCK} steps of the last half: "
+            f"p = {summary['reward_block_p_value']:.2f}"
+        )
+    if "probe_rollout_p_value" in summary:
+        probe = summary["probe_rollout_reward"]
+        print(
+            f"at the same policy (probes), reward of speculative / plain samples {probe['spec']:.3f} / "
+            f"{probe['plain']:.3f}: permutation test within probes p = {summary['probe_rollout_p_value']:.2f}"
         )
     print(
         f"K per round (auto) {summary['num_speculative_tokens']:.2f}; predicted speed-up "

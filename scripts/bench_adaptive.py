@@ -70,6 +70,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max_speculative_tokens", type=int, default=5)
     parser.add_argument("--output", type=Path, default=None, help="also write the table as JSON here")
+    parser.add_argument("--cache_dir", default=None, help="benchmark assets (default: bench_assets' cache)")
+    parser.add_argument("--target_minutes", type=float, default=None, help="bench_assets' target budget")
+    parser.add_argument("--draft_minutes", type=float, default=None, help="bench_assets' draft budget")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS or 2)")
     return parser
 
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
     batch_sizes = [1, 8] if args.quick else args.batch_sizes
-    assets = ensure_bench_assets()
+    budgets = {name: getattr(args, name) for name in ("target_minutes", "draft_minutes") if getattr(args, name)}
+    assets = ensure_bench_assets(args.cache_dir, **budgets)
     prompts = load_prompts(assets, 16)
     print(
         f"\ntarget {assets.target_dir}, draft {assets.draft_dir}; {max_new_tokens} new tokens at temperature "

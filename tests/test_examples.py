@@ -36,6 +36,10 @@ def test_permutation_test_tells_equal_laws_from_shifted_ones(grpo_spec):
     a, b = torch.rand(40, generator=generator).tolist(), torch.rand(40, generator=generator).tolist()
     assert grpo_spec.permutation_p_value(a, b) > 0.05
     assert grpo_spec.permutation_p_value(a, [x + 0.3 for x in b]) < 0.001
+    # within strata: two probes at very different reward levels, the same law inside each
+    c, d = [x + 5 for x in a[:20]], [x + 5 for x in b[:20]]
+    assert grpo_spec.permutation_p_value([a[20:], c], [b[20:], d], stratified=True) > 0.05
+    assert grpo_spec.permutation_p_value([a[20:], c], [[x + 0.3 for x in b[20:]], d], stratified=True) < 0.05
 
 
 def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
@@ -82,7 +86,8 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
         shares = [summary[run][f"share_{part}"] for part in grpo_spec.TIME_PARTS]
         assert sum(shares) == pytest.approx(1.0) and all(share >= 0 for share in shares)
     assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
-    assert 0 <= summary["reward_p_value"] <= 1
+    assert 0 <= summary["reward_block_p_value"] <= 1 and 0 <= summary["probe_rollout_p_value"] <= 1
+    assert 0 <= summary["probe_rollout_reward"]["spec"] <= 1
     run = tmp_path / "run"
     with open(run / "results.csv") as handle:
         table = list(csv.DictReader(handle))
