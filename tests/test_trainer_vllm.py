@@ -114,7 +114,8 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
         logs = [entry for entry in trainer.state.log_history if "spec/num_speculative_tokens" in entry]
         assert [entry["spec/num_speculative_tokens"] for entry in logs][:2] == [3, 0]
         assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
-        assert logs[-1]["spec/predicted_speedup"] > 0 and logs[-1]["spec/measured_speedup"] > 0
+        assert logs[-1]["spec/predicted_speedup"] > 0
+        assert logs[1]["spec/measured_speedup"] == 1  # the plain call, once both ends were measured
         assert "spec/accepted_per_position_2" in logs[0]
     finally:
         engine.close()

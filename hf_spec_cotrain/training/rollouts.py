@@ -177,7 +177,9 @@ class SpeculativeRollouts:
         num_tokens = sum(map(len, out.completion_ids))
         if self._adapts_engine:
             _observe_engine_call(self.speculation, len(prompt_ids), k, out.spec_decode, num_tokens, elapsed)
-        self._log_metrics(out.spec_decode, num_tokens, elapsed, step=step, training=training, engine_k=k)
+        self._log_metrics(
+            out.spec_decode, num_tokens, elapsed, step=step, training=training, engine_call=(len(prompt_ids), k)
+        )
         return out.completion_ids, None
 
     @property
@@ -227,7 +229,14 @@ class SpeculativeRollouts:
     # ------------------------------------------------------------------ metrics
 
     def _log_metrics(
-        self, counters, num_tokens: int, elapsed: float, *, step: int, training: bool, engine_k: int | None = None
+        self,
+        counters,
+        num_tokens: int,
+        elapsed: float,
+        *,
+        step: int,
+        training: bool,
+        engine_call: tuple[int, int] | None = None,
     ) -> None:
         """``spec/*`` from one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`), summed over the processes
         that generated."""
@@ -252,18 +261,16 @@ class SpeculativeRollouts:
         for position in range(k):
             metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
         metrics["spec/tokens_per_second"].append((total[2] / (total[3] / generating_processes)).item())
-        for name, value in self._speculation_metrics(counters, engine_k).items():
+        for name, value in self._speculation_metrics(counters, engine_call).items():
             metrics[name].append(value)
         if training:
             self.acceptance_history.append((step, acceptance))
 
-    def _speculation_metrics(self, counters, engine_k: int | None) -> dict[str, float]:
+    def _speculation_metrics(self, counters, engine_call: tuple[int, int] | None) -> dict[str, float]:
         """This process's K (averaged over rows and rounds) and, under adaptive speculation, the cost model's
-        predicted speed-up over plain decoding and the measured one where both were run."""
-        if isinstance(counters, SpeculativeOutput):
-            rounds = counters.rounds
-        else:  # a vLLM call: one K for the whole call
-            rounds = [(1, self.args.max_draft_tokens if engine_k is None else engine_k)]
+        predicted speed-up over plain decoding and the measured one where both were run. ``engine_call``: a vLLM
+        call's (batch size, K)."""
+        rounds = counters.rounds if isinstance(counters, SpeculativeOutput) else [engine_call]
         if not rounds:
             return {}
         values = {"spec/num_speculative_tokens": _row_weighted_mean([(live, k) for live, k in rounds])}
