@@ -12,9 +12,9 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
 
 
-def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool, tiny_policy_dir):
-    vllm_engine_pool.close()  # one engine at a time: the trainer builds its own
-    config = SpecCoTrainConfig(
+def _trainer(policy_dir, tmp_path, **overrides) -> SpecCoTrainGRPOTrainer:
+    """A 2-step GRPO run on the tiny policy with colocated speculative vLLM rollouts (``overrides``: config fields)."""
+    settings = dict(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         bf16=False,
@@ -26,20 +26,23 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         logging_steps=1,
         save_strategy="no",
         seed=5,
-        learning_rate=1e-3,
-        draft_learning_rate=1e-3,
-        draft_warmup_steps=0,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=128,
     )
-    trainer = SpecCoTrainGRPOTrainer(
-        model=str(tiny_policy_dir),
+    return SpecCoTrainGRPOTrainer(
+        model=str(policy_dir),
         reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
-        args=config,
+        args=SpecCoTrainConfig(**{**settings, **overrides}),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=build_char_tokenizer(),
     )
+
+
+def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool, tiny_policy_dir):
+    vllm_engine_pool.close()  # one engine at a time: the trainer builds its own
+    trainer = _trainer(tiny_policy_dir, tmp_path, draft_learning_rate=1e-3, draft_warmup_steps=0, learning_rate=1e-3)
+    config = trainer.args
     engine = trainer.rollout_engine
     try:
         assert engine is not None and engine.has_draft
@@ -82,31 +85,7 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
     """`num_speculative_tokens="auto"`: the colocated engine is built with K_max and the cost model sets K before
     every call: K_max then 0 on the first two calls (both ends measured), then its best."""
     vllm_engine_pool.close()
-    config = SpecCoTrainConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=3,
-        logging_steps=1,
-        save_strategy="no",
-        seed=5,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=128,
-        num_speculative_tokens="auto",
-        max_speculative_tokens=3,
-    )
-    trainer = SpecCoTrainGRPOTrainer(
-        model=str(tiny_policy_dir),
-        reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=build_char_tokenizer(),
-    )
+    trainer = _trainer(tiny_policy_dir, tmp_path, max_steps=3, num_speculative_tokens="auto", max_speculative_tokens=3)
     engine = trainer.rollout_engine
     try:
         assert engine.adaptive_speculation and engine.max_speculative_tokens == 3
