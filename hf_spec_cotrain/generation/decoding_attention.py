@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
@@ -32,6 +33,8 @@ def grouped_attention(
     multiple of ``Hkv``, query head ``h`` reading key/value head ``h // (Hq / Hkv)``), ``mask`` bool
     ``[B, 1, Lq, Lk]`` (True: visible). Returns ``[B, Hq, Lq, D]``; softmax in at least float32."""
     batch, query_heads, query_length, head_dim = query.shape
+    if query_length == 1:  # one row per head: nothing to fold, and SDPA is one call instead of eleven
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     kv_heads, key_length = key.shape[1], key.shape[2]
     group = query_heads // kv_heads
     scale = head_dim**-0.5 if scale is None else scale

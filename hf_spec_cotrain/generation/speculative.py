@@ -1,20 +1,23 @@
 """HF-native speculative decoding with an EAGLE-3 draft: chain drafting and lossless verification, as vLLM runs it.
 
-One round, per row, after the target has emitted ``x_n`` (position ``n``):
+One round of K drafts, per row, after the target has emitted ``x_n`` (position ``n``):
 
-1. The draft proposes ``d_1`` from its output at position ``n - 1`` and, feeding ``(embed(d_k), h)`` with its own
-   pre-norm output ``h`` at position ``n - 1 + k``, proposes ``d_2 .. d_K``.
+1. The draft catches up on the verified positions it has not seen (those of the last drafting round, and of any
+   plain rounds since), recomputing them from the target's taps; its output at ``n - 1`` proposes ``d_1``, and
+   feeding ``(embed(d_k), h)`` with its own pre-norm output ``h`` at position ``n - 1 + k`` it proposes
+   ``d_2 .. d_K``. Its speculative cache entries are discarded after the round.
 2. One target forward over ``[x_n, d_1 .. d_K]`` scores every proposal; forward hooks (`TapRecorder`) read the taps
    of that same forward.
 3. Each row accepts its own prefix of ``a`` drafts and emits a correction (or, after all ``K``, a bonus) token:
    greedy verification, or speculative rejection sampling, so the output follows the target's distribution.
-4. The draft's speculative cache entries are discarded and positions ``n .. n + a`` are recomputed from the target's
-   taps of step 2; the output at ``n + a`` proposes the next round's ``d_1``.
+
+K comes from a `SpeculationPolicy` before every round (fixed, or `AdaptiveSpeculation`); K = 0 is a plain decoding
+step that does not run the draft. Any K chosen from the past keeps every round's tokens exact samples of the target.
 
 Caches are never cropped: rows accept different numbers of tokens, so a rejected slot becomes a *hole* in a
-``[B, slots]`` slot mask (0 = hole or padding) and every forward gets explicit per-row ``position_ids``. HF's
-`create_causal_mask` (Llama, Qwen2, Qwen3) builds causal-by-slot attention combined with that 2-D mask when a
-`DynamicCache` is passed, which is exactly what holes need. Finished rows leave the batch, and caches whose holes
+``[B, slots]`` slot mask (0 = hole or padding) and every forward gets explicit per-row ``position_ids`` and the
+causal-by-slot mask of that slot mask (`causal_slot_mask`), which is exactly what holes need; on CPU the target
+attends through `decoding_attention`'s grouped kernel. Finished rows leave the batch, and caches whose holes
 outnumber their kept slots are compacted (keys carry their RoPE rotation, so moving slots changes nothing).
 """
 
