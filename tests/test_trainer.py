@@ -101,6 +101,28 @@ def test_auto_speculation_logs_its_choice_and_where_the_time_goes(policy_dir, tm
     assert {k for bucket in model._buckets.values() for k in bucket.seconds} >= {0, 4}
 
 
+def test_auto_uses_trls_generation_where_speculation_cannot_pay(policy_dir, tmp_path, monkeypatch):
+    """When the cost model expects plain decoding to win for the call's batch, the turn is TRL's own generation
+    (timed, it is the model's K = 0), not the speculative generator's plain rounds; every ninth such call still
+    runs the speculative generator, to re-measure."""
+    from hf_spec_cotrain.training import rollouts
+
+    trainer = _trainer(policy_dir, _config(tmp_path, num_speculative_tokens="auto", max_speculative_tokens=2))
+    model = trainer.rollouts.speculation
+    batch = trainer.args.per_device_train_batch_size
+    for k in (2, 1, 0):  # verification as costly as plain steps, a slow draft, a poor acceptance
+        model.observe_round(batch, k, seconds=0.01 * (k + 1) + 0.01 * k, draft_seconds=0.01 * k, tokens_per_row=1)
+    model.observe_acceptance([1000, 100], [100, 10])
+    assert model.best(batch) == 0
+    monkeypatch.setattr(rollouts, "speculative_generate", lambda *args, **kwargs: pytest.fail("speculated"))
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "spec/num_speculative_tokens" in entry]
+    assert len(logs) == 3 and all(entry["spec/num_speculative_tokens"] == 0 for entry in logs)
+    assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
+    assert all(entry["time/generation"] > 0 for entry in logs)
+    assert [trainer.rollouts._plain_pays(batch) for _ in range(12)] == [True] * 5 + [False] + [True] * 6
+
+
 @pytest.mark.parametrize(
     ("bf16", "draft_bf16", "draft_dtype"),
     [

@@ -21,13 +21,15 @@ from trl.trainer.utils import pad
 
 from ..draft import Eagle3DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
-from ..generation.engine import RolloutEngine
+from ..generation.engine import RolloutEngine, SpecDecodeStats
 from ..generation.speculative import SpeculativeOutput, speculative_generate
 from .draft_cotraining import seeded_generator
 from .timing import StepTimes
 
 
 logger = logging.get_logger(__name__)
+
+PLAIN_CALLS_BETWEEN_PROBES = 8
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class SpeculativeRollouts:
         self.acceptance_history: list[tuple[int, float]] = []
         self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
+        self._plain_calls_in_a_row = 0
         self.step_times = step_times or StepTimes(metrics)
         self.speculation: SpeculationPolicy = (
             AdaptiveSpeculation(args.max_speculative_tokens)
@@ -94,10 +97,13 @@ class SpeculativeRollouts:
         plain: Callable[[], tuple],
     ) -> tuple[list[list[int]], None]:
         """Completions of one turn, speculative with this step's draft; ``plain()`` (the trainer's own generation)
-        when the speculative turn fails, so the run goes on and loses nothing."""
+        when adaptive speculation expects plain decoding to be fastest for this batch, or when the speculative turn
+        fails, so the run goes on and loses nothing."""
         try:
             if self.engine is not None:
                 return self.vllm_turn(prompt_ids, step=step, training=training)
+            if self._plain_pays(len(prompt_ids)):
+                return self.plain_turn(prompt_ids, plain, step=step, training=training)
             return self.hf_native_turn(prompt_ids, step=step, training=training, policy=policy_for_generation)
         except Exception as err:
             logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")
@@ -105,6 +111,36 @@ class SpeculativeRollouts:
             return plain()
 
     # ------------------------------------------------------------------ HF-native
+
+    def _plain_pays(self, batch_size: int) -> bool:
+        """Whether the cost model expects plain decoding to beat every K > 0 for this call; every
+        `PLAIN_CALLS_BETWEEN_PROBES`-th such call still runs the speculative generator, which re-measures the
+        Ks (the draft keeps training, so speculation may come to pay)."""
+        if not isinstance(self.speculation, AdaptiveSpeculation) or self.speculation.best(batch_size) != 0:
+            self._plain_calls_in_a_row = 0
+            return False
+        self._plain_calls_in_a_row += 1
+        if self._plain_calls_in_a_row > PLAIN_CALLS_BETWEEN_PROBES:
+            self._plain_calls_in_a_row = 0
+            return False
+        return True
+
+    def plain_turn(self, prompt_ids: list[list[int]], plain: Callable[[], tuple], *, step: int, training: bool):
+        """TRL's own generation, for a call where the cost model expects no K > 0 to pay: the speculative generator's
+        plain rounds cost more than `generate`'s steps, so `generate` is K = 0, and its timing is fed back as such."""
+        started = time.perf_counter()
+        completions, logprobs = plain()
+        elapsed = time.perf_counter() - started
+        steps = max(map(len, completions), default=0)
+        if steps:
+            self.speculation.observe_round(
+                len(prompt_ids), 0, seconds=elapsed / steps, draft_seconds=0.0, tokens_per_row=1.0
+            )
+        num_tokens = sum(map(len, completions))
+        self._log_metrics(
+            SpecDecodeStats(), num_tokens, elapsed, step=step, training=training, engine_call=(len(prompt_ids), 0)
+        )
+        return completions, logprobs
 
     def hf_native_turn(
         self,
@@ -242,13 +278,15 @@ class SpeculativeRollouts:
         that generated."""
         mode = "train" if training else "eval"
         k = self.args.max_draft_tokens
+        per_position = [float(a) for a in counters.accepted_per_position][:k]
         local = torch.tensor(
             [
                 counters.num_drafts,
                 counters.num_accepted_tokens,
                 num_tokens,
                 elapsed,
-                *[float(a) for a in counters.accepted_per_position][:k],
+                *per_position,
+                *[0.0] * (k - len(per_position)),  # a call of a smaller K: every process sends as many values
             ],
             device=self.accelerator.device,
         )
