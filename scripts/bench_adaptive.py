@@ -2,8 +2,8 @@
 
 On the cached benchmark target and warm-started draft of `bench_assets.py` (built on first use), for each dtype and
 batch size, one run each of: plain decoding (`target.generate`, which is K = 0), `speculative_generate` with
-K = 1..5, and with ``num_speculative_tokens=AdaptiveSpeculation(5)`` (K chosen per round by the online cost model,
-K = 0 included). Rollouts sample at ``--temperature`` with probabilistic drafting, as RL rollouts do. The runs of one
+K = 1..5, and "auto" as the trainer runs it: ``AdaptiveSpeculation(5)``, whole calls decoded plainly where it
+expects K = 0 to win (`prefers_plain`), else `speculative_generate` choosing K per round (K = 0 included). Rollouts sample at ``--temperature`` with probabilistic drafting, as RL rollouts do. The runs of one
 cell alternate (repeat 0 is a warm-up, and what the cost model first learns from; its state is kept across the
 repeats of a cell, as a trainer keeps it across steps) and the table shows medians. Prompts are the held-out
 real-text prefixes, repeated to fill large batches.
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_assets import ensure_bench_assets  # noqa: E402
 from bench_speculative import (  # noqa: E402
     DTYPES,
+    RunOutput,
     hf_baseline_run,
     hf_speculative_run,
     load_models,
@@ -51,7 +53,18 @@ def cell(target, draft, prompts, *, batch_size, max_new_tokens, temperature, rep
     for k in FIXED_KS:
         runs[f"K={k}"] = hf_speculative_run(target, draft, [group], k=k, **sampling)
     rounds: list[tuple[int, int]] = []
-    auto_run = hf_speculative_run(target, draft, [group], k=auto, rounds=rounds, **sampling)
+    speculate = hf_speculative_run(target, draft, [group], k=auto, rounds=rounds, **sampling)
+
+    def auto_run(repeat: int) -> RunOutput:
+        """What the trainer does: plain decoding for a call where the model expects it to win, else speculation."""
+        if not auto.prefers_plain(batch_size):
+            return speculate(repeat)
+        started = time.perf_counter()
+        out = runs["K=0"](repeat)
+        auto.observe_plain_call(batch_size, seconds=time.perf_counter() - started, steps=max_new_tokens)
+        rounds.append((batch_size, 0))
+        return out
+
     runs["auto"] = auto_run
     timings = time_alternating(runs, repeats=repeats)
     result = {name: timing.tokens_per_second for name, timing in timings.items()}

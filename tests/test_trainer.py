@@ -120,7 +120,7 @@ def test_auto_uses_trls_generation_where_speculation_cannot_pay(policy_dir, tmp_
     assert len(logs) == 3 and all(entry["spec/num_speculative_tokens"] == 0 for entry in logs)
     assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
     assert all(entry["time/generation"] > 0 for entry in logs)
-    assert [trainer.rollouts._plain_pays(batch) for _ in range(12)] == [True] * 5 + [False] + [True] * 6
+    assert [model.prefers_plain(batch) for _ in range(12)] == [True] * 5 + [False] + [True] * 6
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,8 @@ class AdaptiveSpeculation:
             ``1 / (1 - acceptance_memory)`` rounds are remembered).
         prior_strength: pseudo-drafts by which a position's acceptance leans towards the position before it
             (the first position towards ``prior_acceptance``).
+        plain_calls_between_probes: of the calls `prefers_plain` sends to plain decoding in a row, every one after
+            this many goes to the speculative generator instead, to re-measure.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class AdaptiveSpeculation:
         acceptance_memory: float = 0.98,
         prior_acceptance: float = 0.5,
         prior_strength: float = 2.0,
+        plain_calls_between_probes: int = 8,
     ):
         self.max_speculative_tokens = check_int(max_speculative_tokens, "max_speculative_tokens")
         self.explore_interval = check_int(explore_interval, "explore_interval")
@@ -147,6 +150,8 @@ class AdaptiveSpeculation:
         self._reached = [0.0] * max_speculative_tokens
         self._accepted = [0.0] * max_speculative_tokens
         self._buckets: dict[int, _Bucket] = {}
+        self.plain_calls_between_probes = check_int(plain_calls_between_probes, "plain_calls_between_probes")
+        self._plain_calls_in_a_row = 0
 
     # ------------------------------------------------------------------ the choice
 
@@ -161,6 +166,25 @@ class AdaptiveSpeculation:
         if all(math.isnan(rate) for rate in rates):
             return self.max_speculative_tokens
         return max(range(len(rates)), key=lambda k: (-math.inf if math.isnan(rates[k]) else rates[k], -k))
+
+    def prefers_plain(self, batch_size: int) -> bool:
+        """Whether a whole call of ``batch_size`` rows should decode plainly (``generate``, whose steps cost less
+        than the speculative generator's K = 0 rounds): K = 0 predicted best, except every
+        ``plain_calls_between_probes + 1``-th such call in a row, which speculates and so re-measures the Ks (a
+        co-trained draft may come to pay)."""
+        if self.best(batch_size) != 0:
+            self._plain_calls_in_a_row = 0
+            return False
+        self._plain_calls_in_a_row += 1
+        if self._plain_calls_in_a_row > self.plain_calls_between_probes:
+            self._plain_calls_in_a_row = 0
+            return False
+        return True
+
+    def observe_plain_call(self, batch_size: int, *, seconds: float, steps: int) -> None:
+        """A call decoded plainly in ``steps`` decoding steps: the cost of K = 0 at this batch."""
+        if steps:
+            self.observe_round(batch_size, 0, seconds=seconds / steps, draft_seconds=0.0, tokens_per_row=1.0)
 
     def _exploration(self, bucket: _Bucket) -> int | None:
         """The two ends of the line first, then, every ``explore_interval`` rounds, the stalest K."""

@@ -29,8 +29,6 @@ from .timing import StepTimes
 
 logger = logging.get_logger(__name__)
 
-PLAIN_CALLS_BETWEEN_PROBES = 8
-
 
 @dataclass(frozen=True)
 class RolloutSampling:
@@ -79,7 +77,6 @@ class SpeculativeRollouts:
         self.acceptance_history: list[tuple[int, float]] = []
         self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
-        self._plain_calls_in_a_row = 0
         self.step_times = step_times or StepTimes(metrics)
         self.speculation: SpeculationPolicy = (
             AdaptiveSpeculation(args.max_speculative_tokens)
@@ -102,7 +99,7 @@ class SpeculativeRollouts:
         try:
             if self.engine is not None:
                 return self.vllm_turn(prompt_ids, step=step, training=training)
-            if self._plain_pays(len(prompt_ids)):
+            if isinstance(self.speculation, AdaptiveSpeculation) and self.speculation.prefers_plain(len(prompt_ids)):
                 return self.plain_turn(prompt_ids, plain, step=step, training=training)
             return self.hf_native_turn(prompt_ids, step=step, training=training, policy=policy_for_generation)
         except Exception as err:
@@ -112,30 +109,15 @@ class SpeculativeRollouts:
 
     # ------------------------------------------------------------------ HF-native
 
-    def _plain_pays(self, batch_size: int) -> bool:
-        """Whether the cost model expects plain decoding to beat every K > 0 for this call; every
-        `PLAIN_CALLS_BETWEEN_PROBES`-th such call still runs the speculative generator, which re-measures the
-        Ks (the draft keeps training, so speculation may come to pay)."""
-        if not isinstance(self.speculation, AdaptiveSpeculation) or self.speculation.best(batch_size) != 0:
-            self._plain_calls_in_a_row = 0
-            return False
-        self._plain_calls_in_a_row += 1
-        if self._plain_calls_in_a_row > PLAIN_CALLS_BETWEEN_PROBES:
-            self._plain_calls_in_a_row = 0
-            return False
-        return True
-
     def plain_turn(self, prompt_ids: list[list[int]], plain: Callable[[], tuple], *, step: int, training: bool):
         """TRL's own generation, for a call where the cost model expects no K > 0 to pay: the speculative generator's
         plain rounds cost more than `generate`'s steps, so `generate` is K = 0, and its timing is fed back as such."""
         started = time.perf_counter()
         completions, logprobs = plain()
         elapsed = time.perf_counter() - started
-        steps = max(map(len, completions), default=0)
-        if steps:
-            self.speculation.observe_round(
-                len(prompt_ids), 0, seconds=elapsed / steps, draft_seconds=0.0, tokens_per_row=1.0
-            )
+        self.speculation.observe_plain_call(
+            len(prompt_ids), seconds=elapsed, steps=max(map(len, completions), default=0)
+        )
         num_tokens = sum(map(len, completions))
         self._log_metrics(
             SpecDecodeStats(), num_tokens, elapsed, step=step, training=training, engine_call=(len(prompt_ids), 0)
