@@ -568,13 +568,8 @@ def summarize(
         }
         summary["probe_rollout_p_value"] = permutation_p_value(*map(list, zip(*rollout_rewards)), stratified=True)
     history = runs["spec"][0]
-    summary["num_speculative_tokens"] = _mean(
-        [e["spec/num_speculative_tokens"] for e in history if "spec/num_speculative_tokens" in e]
-    )
-    summary["predicted_speedup"] = _mean(
-        [e["spec/predicted_speedup"] for e in history if "spec/predicted_speedup" in e]
-    )
-    summary["measured_speedup"] = _mean([e["spec/measured_speedup"] for e in history if "spec/measured_speedup" in e])
+    for name in ("num_speculative_tokens", "predicted_speedup", "measured_speedup"):
+        summary[name] = _mean([e[f"spec/{name}"] for e in history if f"spec/{name}" in e])
     if probes:
         first, last = probes[0], probes[-1]
         summary["acceptance"] = {

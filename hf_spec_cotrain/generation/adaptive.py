@@ -162,7 +162,8 @@ class AdaptiveSpeculation:
 
     def best(self, batch_size: int) -> int:
         """The K of the highest predicted throughput (the smallest one on a tie); K_max while nothing is measured."""
-        rates = [self.predicted_tokens_per_second(batch_size, k) for k in range(self.max_speculative_tokens + 1)]
+        tokens = self._expected_tokens_per_k()  # once per choice: it runs before every decoding round
+        rates = [tokens[k] / self.predicted_round_seconds(batch_size, k) for k in self._ks()]
         if all(math.isnan(rate) for rate in rates):
             return self.max_speculative_tokens
         return max(range(len(rates)), key=lambda k: (-math.inf if math.isnan(rates[k]) else rates[k], -k))
@@ -208,11 +209,15 @@ class AdaptiveSpeculation:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one round of K drafts emits per row, on average (accepted drafts plus one)."""
-        total, survive = 1.0, 1.0
-        for rate in self.acceptance_rates()[:k]:
+        return self._expected_tokens_per_k()[k]
+
+    def _expected_tokens_per_k(self) -> list[float]:
+        """`expected_tokens` of K = 0 .. K_max: running sums of the chance that the first j drafts survive."""
+        totals, survive = [1.0], 1.0
+        for rate in self.acceptance_rates():
             survive *= rate
-            total += survive
-        return total
+            totals.append(totals[-1] + survive)
+        return totals
 
     def predicted_round_seconds(self, batch_size: int, k: int) -> float:
         """Seconds of one round of K drafts at this batch size (NaN until something is measured there)."""
