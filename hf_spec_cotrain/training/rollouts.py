@@ -77,6 +77,7 @@ class SpeculativeRollouts:
         self.acceptance_history: list[tuple[int, float]] = []
         self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
+        self._engine_calls = 0
         self.step_times = step_times or StepTimes(metrics)
         self.speculation: SpeculationPolicy = (
             AdaptiveSpeculation(args.max_speculative_tokens)
@@ -193,8 +194,10 @@ class SpeculativeRollouts:
         )
         elapsed = time.perf_counter() - started
         num_tokens = sum(map(len, out.completion_ids))
-        if self._adapts_engine:
+        # An engine's first call also sets up its drafting (3-4x slower on vLLM-CPU): not a sample of its cost.
+        if self._adapts_engine and self._engine_calls:
             _observe_engine_call(self.speculation, len(prompt_ids), k, out.spec_decode, num_tokens, elapsed)
+        self._engine_calls += 1
         self._log_metrics(
             out.spec_decode, num_tokens, elapsed, step=step, training=training, engine_call=(len(prompt_ids), k)
         )
