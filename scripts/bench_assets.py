@@ -81,8 +81,9 @@ class TargetConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
-    # bf16 autocast (float32 master weights, saved in float32): about 1.8x the steps per CPU minute here
-    autocast_bf16: bool = True
+    # bf16 autocast (float32 master weights, saved in float32): about 1.8x the steps per CPU minute on an
+    # AVX512-BF16 CPU. None: on where bf16 matmuls beat float32 ones (`bf16_matmul_pays`).
+    autocast_bf16: bool | None = None
     minutes: float = 40.0
     num_eval_windows: int = 64
     seed: int = 0
@@ -108,7 +109,7 @@ class DraftConfig:
     warmup_steps: int = 20
     batch_size: int = 8
     max_length: int = 512
-    bf16: bool = True  # bf16 autocast: about 1.7x the steps per CPU minute here
+    bf16: bool | None = None  # bf16 autocast (about 1.7x the steps per CPU minute with AVX512-BF16); None: as the target
     minutes: float = 40.0
     seed: int = 0
 
@@ -495,6 +496,21 @@ def _locked(cache_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def bf16_matmul_pays(size: int = 256) -> bool:
+    """Whether a bfloat16 matmul beats a float32 one on this CPU: with AVX512-BF16 or AMX it does (about 1.7x the
+    training steps per minute); without them PyTorch emulates it, tens of times slower."""
+    a, b = torch.randn(size, 2 * size), torch.randn(2 * size, size)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # warm-up
+        started = time.perf_counter()
+        for _ in range(3):
+            x @ y
+        seconds[dtype] = time.perf_counter() - started
+    return seconds[torch.bfloat16] < seconds[torch.float32]
+
+
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """``cache_dir``, else ``$HF_SPEC_COTRAIN_BENCH_DIR``, else ``~/.cache/hf_spec_cotrain/bench``."""
     chosen = cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
@@ -517,8 +533,9 @@ def ensure_bench_assets(
         )
     cache_dir = resolve_cache_dir(cache_dir)
     corpus_config, tokenizer_config = CorpusConfig(), TokenizerConfig()
-    target_config = TargetConfig(minutes=target_minutes)
-    gen_config, draft_config = GenerationConfig(), DraftConfig(minutes=draft_minutes)
+    bf16 = bf16_matmul_pays()
+    target_config = TargetConfig(minutes=target_minutes, autocast_bf16=bf16)
+    gen_config, draft_config = GenerationConfig(), DraftConfig(minutes=draft_minutes, bf16=bf16)
     with _locked(cache_dir):
         corpus = stdlib_corpus(corpus_config)
         _log(f"corpus: {len(corpus.train_texts)} train / {len(corpus.eval_texts)} held-out stdlib files")
