@@ -14,16 +14,17 @@ import torch
 from torch import nn
 
 
-MIN_LAYERS_FOR_DEFAULT_TAPS = 6
+# Below 7 layers L // 2 and L - 3 coincide (or fall under 2).
+MIN_LAYERS_FOR_DEFAULT_TAPS = 7
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default taps: an early, a middle and a late layer, ``(2, L // 2, L - 3)``."""
     ids = (2, num_layers // 2, num_layers - 3)
-    if num_layers < MIN_LAYERS_FOR_DEFAULT_TAPS or len(set(ids)) != len(ids):
+    if num_layers < MIN_LAYERS_FOR_DEFAULT_TAPS:
         raise ValueError(
             f"The default tap ids (2, L//2, L-3) = {ids} do not fit a target with {num_layers} decoder layers: "
-            f"they need at least {MIN_LAYERS_FOR_DEFAULT_TAPS} layers and must be distinct. Pass explicit "
+            f"they are distinct from {MIN_LAYERS_FOR_DEFAULT_TAPS} layers on. Pass explicit "
             f"`aux_layer_ids` (distinct ints in [0, {num_layers}))."
         )
     return ids

@@ -13,24 +13,59 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 
 __all__ = ["SUPPORTED_FAMILIES", "build_char_tokenizer", "build_tiny_target", "save_tiny_target"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
 _FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+}
+_EXPERTS, _EXPERTS_PER_TOKEN = 4, 2
+# What makes each family itself at a tiny size: experts, and gpt-oss's alternating sliding-window layers.
+_FAMILY_OPTIONS = {
+    "mistral": lambda layers, intermediate, positions: {"sliding_window": None},
+    "qwen3_moe": lambda layers, intermediate, positions: {
+        "num_experts": _EXPERTS,
+        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
+        "moe_intermediate_size": intermediate // 2,
+    },
+    "gpt_oss": lambda layers, intermediate, positions: {
+        # gpt-oss's YaRN scaling (factor 32), its original context scaled down with the tiny one
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": max(positions // 32, 1),
+            "rope_theta": 150000.0,
+        },
+        "num_local_experts": _EXPERTS,
+        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+    },
 }
 # vLLM's CPU attention kernels refuse smaller heads.
 _MIN_HEAD_DIM = 32
@@ -105,7 +140,10 @@ def build_tiny_target(
     dtype: torch.dtype = torch.float32,
     tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> PreTrainedModel:
-    """A random causal LM of `family` ("llama", "qwen2" or "qwen3") with seeded, non-degenerate weights.
+    """A random causal LM of `family` (one of `SUPPORTED_FAMILIES`) with seeded, non-degenerate weights.
+
+    MoE families get 4 experts, 2 per token (Qwen3-MoE's of half `intermediate_size`); gpt-oss alternates
+    sliding-window (16 tokens) and full-attention layers, as the real models do.
 
     `vocab_size` defaults to the size of `tokenizer` (the character tokenizer when None). Matrices
     are drawn with standard deviation `1/sqrt(fan_in)` (embeddings: 1; lm_head: 3 times that), norm weights around 1 and
@@ -144,6 +182,7 @@ def build_tiny_target(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **_FAMILY_OPTIONS.get(family, lambda *sizes: {})(num_layers, intermediate_size, max_position_embeddings),
     )
     model = model_class(config)
     _fill_seeded(model, seed=seed)

@@ -124,6 +124,13 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             generates_for_all_ranks=self.parallel_dims.pp_enabled,
             step_times=self.step_times,
         )
+        if args.speculative_decoding:
+            try:
+                self.rollouts.check_can_serve(self._policy())
+            except ValueError:
+                if engine is not None:
+                    engine.close()
+                raise
         self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
         if self.parallel_dims.cp_enabled:
             self.parallel_step = ContextParallelStep(self, self.parallel_dims.build_context_parallel_group())

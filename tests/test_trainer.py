@@ -12,7 +12,7 @@ from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
-from hf_spec_cotrain.testing import build_char_tokenizer
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
 
 PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
@@ -276,15 +276,34 @@ def test_nonfinite_draft_loss_skips_the_draft_step_only(policy_dir, tmp_path, mo
 
 
 def test_failed_speculative_rollout_falls_back_to_plain_generation(policy_dir, tmp_path, monkeypatch, caplog):
-    trainer = _trainer(policy_dir, _config(tmp_path, max_steps=1))
+    """Each failed turn falls back (and is counted); a streak of them is an error in the log, once per streak."""
+    trainer = _trainer(policy_dir, _config(tmp_path, max_steps=4, num_speculative_tokens=2))
 
     def broken(*args, **kwargs):
         raise RuntimeError("draft exploded")
 
     monkeypatch.setattr("hf_spec_cotrain.training.rollouts.speculative_generate", broken)
+    with caplog.at_level("WARNING", logger="hf_spec_cotrain.training.rollouts"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    assert [entry.get("spec/fallback") for entry in trainer.state.log_history[:4]] == [1.0] * 4
+    errors = [record for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 1 and "WITHOUT speculation" in errors[0].getMessage()
+
+
+def test_a_policy_the_hf_native_generator_cannot_verify_is_refused_at_start(tmp_path):
+    policy = build_tiny_target("gpt_oss", num_layers=8)  # sliding-window layers
+    with pytest.raises(ValueError, match=r"cannot serve this gpt_oss policy: .*sliding_attention.*use_vllm=True"):
+        _trainer(policy, _config(tmp_path))
+    _trainer(policy, _config(tmp_path, speculative_decoding=False))  # co-training alone still works
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3_moe"])
+def test_hf_native_speculative_rollouts_serve_other_families(family, tmp_path):
+    trainer = _trainer(build_tiny_target(family, num_layers=8), _config(tmp_path, max_steps=1))
     trainer.train()
-    assert trainer.state.global_step == 1
-    assert any(entry.get("spec/fallback") == 1.0 for entry in trainer.state.log_history)
+    (log,) = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
+    assert log["spec/acceptance_length"] >= 1.0 and "spec/fallback" not in log and "draft/loss" in log
 
 
 def test_push_draft_to_hub_hands_the_saved_folder_to_huggingface_hub(policy_dir, tmp_path, monkeypatch):

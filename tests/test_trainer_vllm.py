@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
-from hf_spec_cotrain.testing import build_char_tokenizer
+from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
 
 
 pytestmark = pytest.mark.vllm
@@ -99,3 +99,12 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
         assert "spec/accepted_per_position_2" in logs[0]
     finally:
         engine.close()
+
+
+def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engine_pool):
+    """Qwen3-MoE's fused expert tensors have no counterpart in vLLM's layout yet: refused when the trainer is built
+    (naming the tensors and the path that serves the family), not at every step's sync."""
+    vllm_engine_pool.close()
+    policy_dir = save_tiny_target(tmp_path / "moe", "qwen3_moe", num_layers=8)
+    with pytest.raises(ValueError, match=r"qwen3_moe policy's weights.*experts\.gate_up_proj.*use_vllm=False"):
+        _trainer(policy_dir, tmp_path)

@@ -48,6 +48,7 @@ from .decoding_attention import decoding_attention, grouped_attention
 __all__ = [
     "DRAFT_SAMPLING_METHODS",
     "SpeculativeOutput",
+    "check_speculative_target",
     "greedy_verify",
     "rejection_sample",
     "residual_distribution",
@@ -620,11 +621,23 @@ def _validate_arguments(
                 "`attention_mask` is not left-padded: a 0 follows a 1 in some row. Pad prompts on the left "
                 "(`tokenizer.padding_side = 'left'`), as for `generate`."
             )
-    layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    other = sorted(set(layer_types) - {"full_attention"})
-    if other:
-        raise ValueError(
-            f"The target has {other} layers; speculative_generate supports full-attention targets only (rejected "
-            "tokens are masked cache slots, which a sliding window would count)."
-        )
+    check_speculative_target(target.config)
     return draft_sampling or ("probabilistic" if do_sample else "greedy")
+
+
+def check_speculative_target(config) -> None:
+    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError): rejected draft
+    tokens stay in the cache as masked slots, which a sliding window would count as positions, and a
+    linear-attention (recurrent) layer would have already folded them into its state."""
+    text_config = config.get_text_config()
+    other = sorted(set(getattr(text_config, "layer_types", None) or []) - {"full_attention"})
+    if other:
+        reasons = {
+            "sliding_attention": "a sliding window would count rejected tokens, which stay as masked cache slots",
+            "linear_attention": "a recurrent state would keep rejected tokens, having no cache slots to mask",
+        }
+        why = "; ".join(f"{kind}: {reasons.get(kind, 'not a full-attention layer')}" for kind in other)
+        raise ValueError(
+            f"This {text_config.model_type} target has {', '.join(other)} layers, and speculative_generate verifies "
+            f"full-attention layers only ({why})."
+        )

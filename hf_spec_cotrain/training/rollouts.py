@@ -22,12 +22,15 @@ from trl.trainer.utils import pad
 from ..draft import Eagle3DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
 from ..generation.engine import RolloutEngine, SpecDecodeStats
-from ..generation.speculative import SpeculativeOutput, speculative_generate
+from ..generation.speculative import SpeculativeOutput, check_speculative_target, speculative_generate
 from .draft_cotraining import seeded_generator
 from .timing import StepTimes
 
 
 logger = logging.get_logger(__name__)
+
+# Speculative turns failing this many times in a row get one error in the log, besides each turn's warning.
+FALLBACKS_BEFORE_ERROR = 3
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,50 @@ class SpeculativeRollouts:
         self.generates_for_all_ranks = generates_for_all_ranks
         self._engine_synced_step = -1
         self._engine_calls = 0
+        self._fallbacks_in_a_row = 0
         self.step_times = step_times or StepTimes(metrics)
         self.speculation: SpeculationPolicy = (
             AdaptiveSpeculation(args.max_speculative_tokens)
             if args.num_speculative_tokens == "auto"
             else FixedSpeculation(args.num_speculative_tokens)
         )
+
+    def check_can_serve(self, policy: nn.Module) -> None:
+        """Refuse at start a policy this rollout path cannot serve, rather than falling back at every step: the
+        HF-native generator verifies full-attention layers only; the vLLM engine must hold a parameter for every
+        policy tensor, of the same shape."""
+        family = policy.config.get_text_config().model_type
+        try:
+            check_speculative_target(policy.config)
+            hf_native_serves = True
+        except ValueError as error:
+            hf_native_error = error
+            hf_native_serves = False
+        if self.engine is None:
+            if not hf_native_serves:
+                raise ValueError(
+                    f"HF-native speculative rollouts cannot serve this {family} policy: {hf_native_error} Use "
+                    "use_vllm=True (the engine checks at start that it can take the policy's weights), or "
+                    "speculative_decoding=False to co-train the draft with plain rollouts."
+                )
+            return
+        check = getattr(self.engine, "check_weights", None)
+        if check is None:  # a server checks each sync
+            return
+        with self.policy_weights() as weights:
+            shapes = [(name, tensor.shape) for name, tensor in weights]
+        try:
+            check("policy", shapes)
+        except ValueError as error:
+            instead = (
+                "use_vllm=False (the HF-native generator) serves it"
+                if hf_native_serves
+                else "speculative_decoding=False co-trains the draft with plain rollouts"
+            )
+            raise ValueError(
+                f"The colocated vLLM engine cannot take this {family} policy's weights, so every step would fall back "
+                f"to plain generation: {error}. Instead, {instead}."
+            ) from error
 
     def generate(
         self,
@@ -99,12 +140,23 @@ class SpeculativeRollouts:
         fails, so the run goes on and loses nothing."""
         try:
             if self.engine is not None:
-                return self.vllm_turn(prompt_ids, step=step, training=training)
-            if isinstance(self.speculation, AdaptiveSpeculation) and self.speculation.prefers_plain(len(prompt_ids)):
-                return self.plain_turn(prompt_ids, plain, step=step, training=training)
-            return self.hf_native_turn(prompt_ids, step=step, training=training, policy=policy_for_generation)
+                completions = self.vllm_turn(prompt_ids, step=step, training=training)
+            elif isinstance(self.speculation, AdaptiveSpeculation) and self.speculation.prefers_plain(len(prompt_ids)):
+                completions = self.plain_turn(prompt_ids, plain, step=step, training=training)
+            else:
+                completions = self.hf_native_turn(
+                    prompt_ids, step=step, training=training, policy=policy_for_generation
+                )
+            self._fallbacks_in_a_row = 0
+            return completions
         except Exception as err:
+            self._fallbacks_in_a_row += 1
             logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")
+            if self._fallbacks_in_a_row == FALLBACKS_BEFORE_ERROR:
+                logger.error(
+                    f"Speculative rollouts have failed {FALLBACKS_BEFORE_ERROR} times in a row: this run is training "
+                    "WITHOUT speculation (spec/fallback counts the plain turns). The last failure is above."
+                )
             self.metrics["train" if training else "eval"]["spec/fallback"].append(1.0)
             return plain()
 
