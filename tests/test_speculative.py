@@ -539,5 +539,9 @@ def test_bad_arguments_raise_clear_errors():
     sliding.config.layer_types = ["sliding_attention"] * NUM_LAYERS
     with pytest.raises(ValueError, match="sliding_attention"):
         speculative_generate(sliding, draft, input_ids, attention_mask, max_new_tokens=4)
+    windowed = copy.deepcopy(target)  # a window without layer types (Mistral's configs) covers every layer
+    windowed.config.layer_types, windowed.config.sliding_window = None, 64
+    with pytest.raises(ValueError, match="sliding_attention"):
+        speculative_generate(windowed, draft, input_ids, attention_mask, max_new_tokens=4)
     with pytest.warns(UserWarning, match="no effect with `do_sample=False`"):
         call(draft_sampling="probabilistic")

@@ -630,7 +630,10 @@ def check_speculative_target(config) -> None:
     tokens stay in the cache as masked slots, which a sliding window would count as positions, and a
     linear-attention (recurrent) layer would have already folded them into its state."""
     text_config = config.get_text_config()
-    other = sorted(set(getattr(text_config, "layer_types", None) or []) - {"full_attention"})
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None and getattr(text_config, "sliding_window", None) is not None:
+        layer_types = ["sliding_attention"]  # a window without layer types is every layer's (Mistral's configs)
+    other = sorted(set(layer_types or []) - {"full_attention"})
     if other:
         reasons = {
             "sliding_attention": "a sliding window would count rejected tokens, which stay as masked cache slots",
