@@ -13,7 +13,7 @@ from hf_spec_cotrain.draft import count_tokens, select_draft_vocab, vocab_maps
 from hf_spec_cotrain.testing import build_tiny_target
 
 
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
 
 
 def _target(family="llama", num_layers=8, **kwargs):

@@ -21,7 +21,7 @@ from hf_spec_cotrain.generation.speculative import (
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 EOS = 2  # the character tokenizer's </s>, the tiny targets' generation_config.eos_token_id
 NUM_LAYERS = 7  # default taps (2, 3, 4) are distinct
 P_VALUE_THRESHOLD = 1e-3
