@@ -328,6 +328,12 @@ def test_updates_with_wrong_names_or_shapes_are_refused(server):
         client.sync_weights("draft", unknown)
     with pytest.raises(VLLMServerError, match=r"HTTP 422: Invalid request: body.target"):
         client._request("POST", "/weights/transactions", json={"target": "lm_head"})
+    # the same checks without sending data (what a trainer asks when it starts)
+    client.check_weights("policy", [(name, tensor.shape) for name, tensor in policy.items()])
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \[32, 128\], vLLM expects \[64, 128\]"):
+        client.check_weights("policy", [(name, tensor.shape) for name, tensor in wrong_shape.items()])
+    with pytest.raises(ValueError, match=r"missing: model.layers.4.mlp.up_proj.weight"):
+        client.check_weights("policy", [(name, tensor.shape) for name, tensor in missing.items()])
     server.assert_unchanged(versions)
 
 

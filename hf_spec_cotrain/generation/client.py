@@ -9,7 +9,7 @@ over NCCL instead, in the same transaction.
 import hashlib
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -119,6 +119,22 @@ class VLLMServerClient:
 
     def weights_version(self) -> WeightsVersion:
         return WeightsVersion(**self._request("GET", "/weights/version"))
+
+    def check_weights(self, which: WeightSet, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Raise the ValueError a sync of tensors of these names and shapes would meet on the server (unknown,
+        missing, repeated or mis-shaped tensors), sending no data."""
+        named_shapes = list(named_shapes)
+        body = {
+            "target": which,
+            "names": [name for name, _ in named_shapes],
+            "shapes": [[int(size) for size in shape] for _, shape in named_shapes],
+        }
+        try:
+            self._request("POST", "/weights/check", json=body)
+        except VLLMServerError as error:
+            if error.status_code != 400:
+                raise
+            raise ValueError(str(error)) from error
 
     # ----------------------------------------------------------------------------------- rollouts
 

@@ -5,7 +5,7 @@ so the trainer drives either one without knowing which. Nothing here imports vLL
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -139,6 +139,10 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, which: WeightSet, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> object:
         """Replace every weight of `which` (the complete set, in checkpoint names); returns what the sync did."""
+        ...
+
+    def check_weights(self, which: WeightSet, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Raise the ValueError a sync of tensors of these names and shapes would meet, sending nothing."""
         ...
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ Endpoints (JSON; every error is ``{"error": "<message>"}`` with a 4xx/5xx status
     GET    /health                                      readiness, weights versions
     GET    /weights/version                             {"policy": int, "draft": int | null}
     POST   /generate                                    token-id prompts in; completions, logprobs, counters out
+    POST   /weights/check                               {"target", "names", "shapes"}: would this set sync? (no data)
     POST   /weights/transactions                        {"target": "policy" | "draft", "version": int | null}
     PUT    /weights/transactions/{id}/chunks/{index}    body: safetensors bytes; header X-Content-SHA256 (optional)
     POST   /weights/transactions/{id}/nccl_chunks/{index}   GPU: {"names", "dtype_names", "shapes"}, tensors via NCCL
@@ -105,6 +106,12 @@ class GenerateRequest(_Body):
 class BeginRequest(_Body):
     target: WeightSet
     version: int | None = Field(default=None, ge=0)
+
+
+class CheckRequest(_Body):
+    target: WeightSet
+    names: list[str]
+    shapes: list[list[int]]
 
 
 class CommitRequest(_Body):
@@ -491,6 +498,16 @@ def build_app(server: RolloutServer) -> FastAPI:
     @app.post("/generate")
     async def generate(request: GenerateRequest) -> dict:
         return await server.on_engine_thread(server.generate, request)
+
+    @app.post("/weights/check")
+    async def check(request: CheckRequest) -> dict:
+        if len(request.names) != len(request.shapes):
+            raise ServerError(400, f"{len(request.names)} names but {len(request.shapes)} shapes.")
+        try:  # the layouts are read only: no need for the engine thread
+            server.engine.check_weights(request.target, list(zip(request.names, request.shapes)))
+        except ValueError as error:
+            raise ServerError(400, str(error)) from error
+        return {"target": request.target, "num_tensors": len(request.names)}
 
     @app.post("/weights/transactions", status_code=201)
     async def begin(request: BeginRequest) -> dict:

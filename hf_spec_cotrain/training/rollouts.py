@@ -91,8 +91,8 @@ class SpeculativeRollouts:
 
     def check_can_serve(self, policy: nn.Module) -> None:
         """Refuse at start a policy this rollout path cannot serve, rather than falling back at every step: the
-        HF-native generator verifies full-attention layers only; the vLLM engine must hold a parameter for every
-        policy tensor, of the same shape."""
+        HF-native generator verifies full-attention layers only; the vLLM engine (colocated or a server) must hold
+        a parameter for every policy tensor, of the same shape."""
         family = policy.config.get_text_config().model_type
         try:
             check_speculative_target(policy.config)
@@ -108,13 +108,10 @@ class SpeculativeRollouts:
                     "speculative_decoding=False to co-train the draft with plain rollouts."
                 )
             return
-        check = getattr(self.engine, "check_weights", None)
-        if check is None:  # a server checks each sync
-            return
         with self.policy_weights() as weights:
             shapes = [(name, tensor.shape) for name, tensor in weights]
         try:
-            check("policy", shapes)
+            self.engine.check_weights("policy", shapes)
         except ValueError as error:
             instead = (
                 "use_vllm=False (the HF-native generator) serves it"
@@ -122,7 +119,7 @@ class SpeculativeRollouts:
                 else "speculative_decoding=False co-trains the draft with plain rollouts"
             )
             raise ValueError(
-                f"The colocated vLLM engine cannot take this {family} policy's weights, so every step would fall back "
+                f"The vLLM engine cannot take this {family} policy's weights, so every step would fall back "
                 f"to plain generation: {error}. Instead, {instead}."
             ) from error
 
