@@ -109,7 +109,8 @@ class DraftConfig:
     warmup_steps: int = 20
     batch_size: int = 8
     max_length: int = 512
-    bf16: bool | None = None  # bf16 autocast (about 1.7x the steps per CPU minute with AVX512-BF16); None: as the target
+    # bf16 autocast (about 1.7x the steps per CPU minute with AVX512-BF16); None: as the target's
+    bf16: bool | None = None
     minutes: float = 40.0
     seed: int = 0
 
