@@ -137,15 +137,13 @@ class SpeculativeRollouts:
         fails, so the run goes on and loses nothing."""
         try:
             if self.engine is not None:
-                completions = self.vllm_turn(prompt_ids, step=step, training=training)
+                turn = self.vllm_turn(prompt_ids, step=step, training=training)
             elif isinstance(self.speculation, AdaptiveSpeculation) and self.speculation.prefers_plain(len(prompt_ids)):
-                completions = self.plain_turn(prompt_ids, plain, step=step, training=training)
+                turn = self.plain_turn(prompt_ids, plain, step=step, training=training)
             else:
-                completions = self.hf_native_turn(
-                    prompt_ids, step=step, training=training, policy=policy_for_generation
-                )
+                turn = self.hf_native_turn(prompt_ids, step=step, training=training, policy=policy_for_generation)
             self._fallbacks_in_a_row = 0
-            return completions
+            return turn
         except Exception as err:
             self._fallbacks_in_a_row += 1
             logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")
