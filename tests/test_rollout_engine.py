@@ -15,7 +15,7 @@ ATTRIBUTES = sorted(RolloutEngine.__annotations__)
 
 
 def test_the_protocol_is_what_the_trainer_calls():
-    assert METHODS == ["close", "generate", "sync_weights"]
+    assert METHODS == ["check_weights", "close", "generate", "sync_weights"]
     assert ATTRIBUTES == ["shared_across_processes"]
 
 
