@@ -94,14 +94,13 @@ class SpeculativeRollouts:
         HF-native generator verifies full-attention layers only; the vLLM engine (colocated or a server) must hold
         a parameter for every policy tensor, of the same shape."""
         family = policy.config.get_text_config().model_type
+        hf_native_error = None
         try:
             check_speculative_target(policy.config)
-            hf_native_serves = True
         except ValueError as error:
             hf_native_error = error
-            hf_native_serves = False
         if self.engine is None:
-            if not hf_native_serves:
+            if hf_native_error is not None:
                 raise ValueError(
                     f"HF-native speculative rollouts cannot serve this {family} policy: {hf_native_error} Use "
                     "use_vllm=True (the engine checks at start that it can take the policy's weights), or "
@@ -115,7 +114,7 @@ class SpeculativeRollouts:
         except ValueError as error:
             instead = (
                 "use_vllm=False (the HF-native generator) serves it"
-                if hf_native_serves
+                if hf_native_error is None
                 else "speculative_decoding=False co-trains the draft with plain rollouts"
             )
             raise ValueError(
