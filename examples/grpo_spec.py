@@ -447,7 +447,7 @@ EMBEDDED_DEFAULTS = dict(
     num_speculative_tokens="auto",
     max_speculative_tokens=5,
     draft_train_fraction=0.5,
-    vllm_max_model_length=SEED_LENGTH + 1 + COMPLETION_LENGTH + 7,  # with --use_vllm: prompt + completion
+    vllm_max_model_length=SEED_LENGTH + 1 + COMPLETION_LENGTH + 7,  # with --use_vllm: prompt + completion + slack
 )
 
 
