@@ -6,9 +6,10 @@ With no options this runs the *embedded default* end to end on a CPU in under 10
 1. a small policy is built and supervised-trained locally on a synthetic task (cached after the first run):
    continue a letter sequence drawn from a fixed random Markov chain over ``abcdefgh``;
 2. a draft is warm-started offline (`hf_spec_cotrain.train_draft`) on that policy's own samples (cached);
-3. GRPO rewards completions rich in the letters ``efgh``. The reward is verifiable and hard to game: a
-   completion (128 tokens: the policy never ends early) must also be 128 letters, use at least 5 different
-   letters and never repeat a letter 3 times in a row, so the policy's distribution moves a lot without collapsing. Completions of 128 tokens make
+3. GRPO rewards completions rich in the letters ``efgh``. The reward is verifiable and graded: a completion
+   (128 tokens: the policy never ends early) should also be 128 letters, use at least 5 different letters and never
+   repeat a letter 3 times in a row, and each rule it breaks scales its reward down in proportion, so the policy's
+   distribution moves a lot without falling into a region where every sample scores 0. Completions of 128 tokens make
    generation most of a step, as in RL on real tasks. The draft is co-trained every step, the rollouts use it
    with K chosen per decoding round (``num_speculative_tokens="auto"``), and every ``--probe_interval`` steps the
    acceptance length of the co-trained draft and of a frozen copy of the warm-start draft are measured on the
@@ -94,6 +95,7 @@ class ScriptArguments:
 LETTERS = "abcdefgh"
 REWARDED_LETTERS = set("efgh")
 SEED_LENGTH, COMPLETION_LENGTH = 4, 128
+MIN_DISTINCT_LETTERS = 5
 TASK_SEED = 0
 
 
@@ -114,16 +116,23 @@ def sample_letters(chain: torch.Tensor, count: int, length: int, generator: torc
 
 
 def letters(completions, **kwargs) -> list[float]:
-    """Fraction of e/f/g/h letters, for a well-formed completion (128 letters, >= 5 distinct, no triple repeats)."""
+    """Share of e/f/g/h letters, scaled by how well a completion keeps the rules: 128 letters of ``abcdefgh``, at
+    least 5 distinct, no letter 3 times in a row.
+
+    A completion that keeps every rule scores its ``efgh`` share; each broken rule scales that down in proportion to
+    how badly it is broken (the share of other characters, of letters opening a triple repeat, of missing distinct
+    letters). A graded reward leaves every group of samples a gradient: with an all-or-nothing one (0 for any break),
+    a policy that drifted to breaking a rule everywhere scored 0 on every sample and never came back.
+    """
     rewards = []
     for text in completions:
-        valid = (
-            len(text) == COMPLETION_LENGTH
-            and set(text) <= set(LETTERS)
-            and len(set(text)) >= 5
-            and not any(text[i] == text[i + 1] == text[i + 2] for i in range(len(text) - 2))
-        )
-        rewards.append(sum(ch in REWARDED_LETTERS for ch in text) / COMPLETION_LENGTH if valid else 0.0)
+        length = max(len(text), COMPLETION_LENGTH)
+        in_alphabet = sum(ch in LETTERS for ch in text) / length
+        triples = sum(text[i] == text[i + 1] == text[i + 2] for i in range(len(text) - 2))
+        no_triples = 1.0 - triples / max(len(text) - 2, 1)
+        distinct = min(len(set(text) & set(LETTERS)) / MIN_DISTINCT_LETTERS, 1.0)
+        share = sum(ch in REWARDED_LETTERS for ch in text) / length
+        rewards.append(share * in_alphabet * no_triples * distinct)
     return rewards
 
 

@@ -22,13 +22,22 @@ def grpo_spec(monkeypatch):
     return grpo_spec
 
 
-def test_embedded_reward_is_verifiable(grpo_spec):
+def test_embedded_reward_is_verifiable_and_graded(grpo_spec):
     length = grpo_spec.COMPLETION_LENGTH
     good = ("efghaefghe" * length)[:length]
-    assert grpo_spec.letters([good]) == [sum(c in "efgh" for c in good) / length]
-    triple = "eee" + good[3:]
-    too_few_letters = ("ef" * length)[:length]
-    assert grpo_spec.letters([good[:-1], triple, too_few_letters, good + "x", good[:-1] + "</s>"]) == [0] * 5
+    share = sum(c in "efgh" for c in good) / length
+    assert grpo_spec.letters([good]) == [share]
+    one_triple, many_triples = "eee" + good[3:], ("eeefffggghhha" * length)[:length]
+    two_letters = ("ef" * length)[:length]
+    foreign = good[:-1] + ":"
+    rewards = dict(
+        zip(["one", "many", "two", "foreign"], grpo_spec.letters([one_triple, many_triples, two_letters, foreign]))
+    )
+    # every broken rule costs in proportion to how badly it is broken, and no completion of letters scores 0
+    assert share > rewards["one"] > rewards["many"] > 0
+    assert rewards["two"] == pytest.approx(2 / grpo_spec.MIN_DISTINCT_LETTERS)
+    assert 0 < rewards["foreign"] < share
+    assert grpo_spec.letters(["e" * length, "abcd" * (length // 4)]) == [0.0, 0.0]  # all triples; no efgh at all
 
 
 def test_permutation_test_tells_equal_laws_from_shifted_ones(grpo_spec):
