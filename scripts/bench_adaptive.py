@@ -56,13 +56,15 @@ def cell(target, draft, prompts, *, batch_size, max_new_tokens, temperature, rep
     speculate = hf_speculative_run(target, draft, [group], k=auto, rounds=rounds, **sampling)
 
     def auto_run(repeat: int) -> RunOutput:
-        """What the trainer does: plain decoding for a call where the model expects it to win, else speculation."""
-        if not auto.prefers_plain(batch_size):
-            return speculate(repeat)
+        """What the trainer does: a whole call decoded plainly or speculatively as `prefers_plain` says, its
+        tokens per second fed back."""
+        plain = auto.prefers_plain(batch_size)
         started = time.perf_counter()
-        out = runs["K=0"](repeat)
-        auto.observe_plain_call(batch_size, seconds=time.perf_counter() - started, steps=max_new_tokens)
-        rounds.append((batch_size, 0))
+        out = runs["K=0"](repeat) if plain else speculate(repeat)
+        num_tokens = sum(map(len, out.completions))
+        auto.observe_call(batch_size, plain=plain, seconds=time.perf_counter() - started, num_tokens=num_tokens)
+        if plain:
+            rounds.append((batch_size, 0))
         return out
 
     runs["auto"] = auto_run

@@ -185,22 +185,24 @@ def test_acceptance_rates_come_from_the_counters_and_borrow_unseen_positions():
     assert third == fourth == pytest.approx(second)  # never drafted: the last measured position's rate
 
 
-def test_a_new_bucket_measures_both_ends_then_exploits_then_explores():
-    model = AdaptiveSpeculation(3, explore_interval=10)
-    assert model.choose(8) == 3  # nothing measured: the longest drafts first (they also measure acceptance)
-    model.observe_round(8, 3, seconds=0.02, draft_seconds=0.006, tokens_per_row=3.5)
-    assert model.choose(8) == 0
-    model.observe_round(8, 0, seconds=0.01, draft_seconds=0.0, tokens_per_row=1)
+def test_a_new_bucket_measures_the_ends_and_k1_then_exploits_then_explores():
+    model = AdaptiveSpeculation(3, explore_interval=10, first_rounds=2)
+    first = []
+    for _ in range(6):  # nothing measured: the longest drafts first (they also measure acceptance), then 0 and 1
+        k = model.choose(8)
+        first.append(k)
+        model.observe_round(8, k, seconds=0.01 + 0.003 * k, draft_seconds=0.002 * k, tokens_per_row=1 + k * 0.8)
+    assert first == [3, 3, 0, 0, 1, 1]
     model.observe_acceptance([100, 90, 80], [90, 80, 70])
     explored = []
-    for round_index in range(2, 21):
+    for round_index in range(7, 31):
         best, k = model.best(8), model.choose(8)
         if k != best:
             explored.append((round_index, k))
         model.observe_round(8, k, seconds=0.01 + 0.003 * k, draft_seconds=0.002 * k, tokens_per_row=1 + k * 0.8)
-    # rounds 10 and 20 of the bucket explore: first a K never run, then the one measured longest ago
-    assert [index for index, _ in explored] == [10, 20]
-    assert explored[0][1] in {1, 2}
+    # rounds 11, 21 of the bucket explore (after 10 and 20 rounds): first the K never run, then the stalest
+    assert [index for index, _ in explored] == [11, 21]
+    assert explored[0][1] == 2
     assert model.choose(16) == 3  # another bucket starts over
 
 
@@ -221,19 +223,20 @@ def test_a_machine_that_slows_down_keeps_the_choice():
     """Every K slows alike when the machine does; only the K being run sees it. The speed factor absorbs the drift,
     so the stale measurements of the other Ks stay comparable and the choice holds."""
     model = _fed(AdaptiveSpeculation(4), 8, target=lambda n: 0.01 + 0.003 * n, draft=0.002, acceptance=0.8)
-    best, seconds = model.best(8), model.predicted_round_seconds(8, model.best(8))
-    for _ in range(30):
-        draft_seconds = 1.5 * 0.002 * best
-        model.observe_round(
-            8,
-            best,
-            seconds=1.5 * (0.01 + 0.003 * (best + 1)) + draft_seconds,
-            draft_seconds=draft_seconds,
-            tokens_per_row=1,
-        )
+    best = model.best(8)
+
+    def run(slowdown):
+        draft_seconds = slowdown * 0.002 * best
+        seconds = slowdown * (0.01 + 0.003 * (best + 1)) + draft_seconds
+        model.observe_round(8, best, seconds=seconds, draft_seconds=draft_seconds, tokens_per_row=1)
+
+    for slowdown in [1.0] * 5 + [1.5] * 30:
+        run(slowdown)
     assert model.best(8) == best
-    assert model.predicted_round_seconds(8, best) == pytest.approx(1.5 * seconds, rel=0.02)
-    assert model.predicted_round_seconds(8, 0) == pytest.approx(1.5 * 0.013, rel=0.02)
+    for k in range(5):
+        assert model.predicted_round_seconds(8, k) == pytest.approx(
+            1.5 * (0.01 + 0.003 * (k + 1) + 0.002 * k), rel=0.01
+        )
 
 
 def test_measured_speedup_needs_both_plain_and_speculative_rounds():
@@ -242,6 +245,22 @@ def test_measured_speedup_needs_both_plain_and_speculative_rounds():
     assert math.isnan(model.measured_speedup(2, 2))
     model.observe_round(2, 0, seconds=0.02, draft_seconds=0.0, tokens_per_row=1)
     assert model.measured_speedup(2, 2) == pytest.approx((2.5 / 0.03) / (1 / 0.02))
+    # once whole calls of both routes were measured, those are the comparison (they pay what rounds do not)
+    model.observe_call(2, plain=False, seconds=1.0, num_tokens=300)
+    assert model.measured_speedup(2, 2) == pytest.approx((2.5 / 0.03) / (1 / 0.02))
+    model.observe_call(2, plain=True, seconds=1.0, num_tokens=200)
+    assert model.measured_speedup(2, 2) == pytest.approx(1.5)
+
+
+def test_whole_calls_go_the_way_measured_faster_and_the_other_way_now_and_then():
+    model = AdaptiveSpeculation(2, calls_between_probes=3)
+    routes = []
+    for _ in range(10):
+        plain = model.prefers_plain(4)
+        routes.append(plain)
+        model.observe_call(4, plain=plain, seconds=1.0, num_tokens=100 if plain else 150)  # speculation wins
+    assert routes == [False, True] + [False] * 3 + [True] + [False] * 3 + [True]
+    assert model.prefers_plain(64) is False  # another bucket starts over
 
 
 def test_bad_settings_are_refused():
@@ -292,15 +311,17 @@ def test_generator_with_the_cost_model_chooses_by_cost(monkeypatch, pays):
         target, draft, input_ids, attention_mask, max_new_tokens=60, num_speculative_tokens=model
     )
     assert torch.equal(out.sequences, want)
-    # Each batch-size bucket the call meets (rows leave at EOS) first runs K_max and then K = 0, once each (the
-    # last one may end before its second round).
+    # Each batch-size bucket the call meets (rows leave at EOS) first runs K_max, K = 0 and K = 1, two rounds each
+    # (the last bucket may end before it has run them all).
     buckets = {batch_bucket(live) for live, _ in out.rounds}
     chosen = [k for _, k in out.rounds]
-    assert len(chosen) > 4 * len(buckets)
+    assert len(chosen) > 8 * len(buckets)
+    first = 2 * len(buckets)
     if pays:
-        assert chosen.count(0) <= len(buckets) and model.best(8) > 0 and model.predicted_speedup(8) > 1
+        assert chosen.count(0) <= first and model.best(8) > 0 and model.predicted_speedup(8) > 1
     else:
-        assert chosen.count(4) <= len(buckets) and set(chosen) == {0, 4} and model.best(8) == 0
+        assert chosen.count(4) <= first and chosen.count(1) <= first and set(chosen) == {0, 1, 4}
+        assert model.best(8) == 0
 
 
 def test_config_takes_auto():

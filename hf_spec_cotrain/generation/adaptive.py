@@ -6,9 +6,11 @@ one over few rows is overhead-bound), and the acceptance moves with the policy a
 choice is made per decoding round, from what the generator itself measured on this machine and this policy:
 
 * ``target(b, n)``: seconds of a round's non-draft part (the target's forward over ``n = K + 1`` tokens per row,
-  verification and bookkeeping) at batch-size bucket ``b`` (the batch rounded up to a power of two): a line in
-  ``n`` fitted to the moving averages of every K run there, each weighted by how often it was run, so that every
-  round refines the prediction for every K and one noisy round of a rarely run K cannot steer the choice;
+  verification and bookkeeping) at batch-size bucket ``b`` (the batch rounded up to a power of two): the average
+  of each K run there, made non-decreasing in ``n`` with every point weighted by how often it was run (so one
+  noisy round of a rarely run K cannot steer the choice), and joined by straight lines between the Ks run (the
+  cost is flat in ``n`` while the forward is overhead-bound and steepens once it is compute-bound, so one line
+  over every K would overprice the small Ks);
 * ``draft(b)``: seconds of the draft per proposed token (its chain steps and its pass over the verified
   positions), measured on rounds with ``K > 0``;
 * ``alpha_i``: acceptance of draft position ``i`` given that positions ``< i`` were accepted, from the
@@ -22,10 +24,11 @@ relative costs only.
 
 The predicted tokens per second of K are ``E(K) / (speed(b) * (target(b, K + 1) + K * draft(b)))`` with
 ``E(K) = 1 + sum_{j=1..K} prod_{i<j} alpha_i`` tokens per round; K = 0 gives ``1 / target(b, 1)``. A new bucket
-first runs ``K_max`` and then 0 (the two ends of the line), and every ``explore_interval`` rounds a bucket runs the
-K measured longest ago, so a stale estimate corrects itself.
+first runs ``K_max``, 0 and 1 (the ends of the curve and its first step), and every ``explore_interval`` rounds
+a bucket runs the K measured longest ago, so a stale estimate corrects itself.
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -87,20 +90,27 @@ class _Smoothed:
     updated_at: int
     count: int = 1
 
-    def update(self, sample: float, weight: float, now: int) -> None:
+    def update(self, sample: float, weight: float, now: int, *, average_first: int = 1) -> None:
+        """The first ``average_first`` samples count alike (a new K's first rounds: one noisy round must not fix
+        its estimate), later ones by ``weight``."""
+        self.count += 1
+        if self.count <= average_first:
+            weight = max(weight, 1.0 / self.count)
         self.value += weight * (sample - self.value)
         self.updated_at = now
-        self.count += 1
 
 
 @dataclass
 class _Bucket:
     rounds: int = 0
+    last_k: int | None = None
     speed: float = 1.0  # seconds now per second at the reference speed
     target: dict[int, _Smoothed] = field(default_factory=dict)  # K + 1 -> seconds at the reference speed
     draft: _Smoothed | None = None  # seconds per drafted token at the reference speed
     tokens: dict[int, _Smoothed] = field(default_factory=dict)  # K -> tokens emitted per row per round
     seconds: dict[int, _Smoothed] = field(default_factory=dict)  # K -> seconds per round, as measured
+    calls: dict[bool, _Smoothed] = field(default_factory=dict)  # plain? -> tokens per second of whole calls
+    calls_since_probe: int = 0
 
 
 class AdaptiveSpeculation:
@@ -109,34 +119,40 @@ class AdaptiveSpeculation:
     Args:
         max_speculative_tokens: ``K_max``; K ranges over ``0 .. K_max``.
         explore_interval: every this many rounds of a batch-size bucket, run the K measured longest ago.
+        first_rounds: rounds of each of ``K_max``, 0 and 1 a new bucket runs before it chooses.
         smoothing: weight of a new timing in its moving average.
         drift_smoothing: weight of a round in the moving average of the machine's speed.
         acceptance_memory: acceptance counts are multiplied by this at every observation (about
             ``1 / (1 - acceptance_memory)`` rounds are remembered).
         prior_strength: pseudo-drafts by which a position's acceptance leans towards the position before it
             (the first position towards ``prior_acceptance``).
-        plain_calls_between_probes: of the calls `prefers_plain` sends to plain decoding in a row, every one after
-            this many goes to the speculative generator instead, to re-measure.
+        calls_between_probes: of the calls `prefers_plain` sends to the faster route (plain or speculative) in a
+            row, every one after this many takes the other route, to re-measure it.
+        call_smoothing: weight of a call's tokens per second in its route's moving average.
     """
 
     def __init__(
         self,
         max_speculative_tokens: int,
         *,
-        explore_interval: int = 50,
+        explore_interval: int = 25,
+        first_rounds: int = 2,
         smoothing: float = 0.1,
         drift_smoothing: float = 0.3,
         acceptance_memory: float = 0.98,
         prior_acceptance: float = 0.5,
         prior_strength: float = 2.0,
-        plain_calls_between_probes: int = 8,
+        calls_between_probes: int = 8,
+        call_smoothing: float = 0.3,
     ):
         self.max_speculative_tokens = check_int(max_speculative_tokens, "max_speculative_tokens")
         self.explore_interval = check_int(explore_interval, "explore_interval")
+        self.first_rounds = check_int(first_rounds, "first_rounds")
         for name, value in (
             ("smoothing", smoothing),
             ("drift_smoothing", drift_smoothing),
             ("acceptance_memory", acceptance_memory),
+            ("call_smoothing", call_smoothing),
         ):
             if not 0 < value <= 1:
                 raise ValueError(f"`{name}`={value!r} is not allowed: it must be in (0, 1].")
@@ -150,8 +166,8 @@ class AdaptiveSpeculation:
         self._reached = [0.0] * max_speculative_tokens
         self._accepted = [0.0] * max_speculative_tokens
         self._buckets: dict[int, _Bucket] = {}
-        self.plain_calls_between_probes = check_int(plain_calls_between_probes, "plain_calls_between_probes")
-        self._plain_calls_in_a_row = 0
+        self.calls_between_probes = check_int(calls_between_probes, "calls_between_probes")
+        self.call_smoothing = call_smoothing
 
     # ------------------------------------------------------------------ the choice
 
@@ -169,28 +185,36 @@ class AdaptiveSpeculation:
         return max(range(len(rates)), key=lambda k: (-math.inf if math.isnan(rates[k]) else rates[k], -k))
 
     def prefers_plain(self, batch_size: int) -> bool:
-        """Whether a whole call of ``batch_size`` rows should decode plainly (``generate``, whose steps cost less
-        than the speculative generator's K = 0 rounds): K = 0 predicted best, except every
-        ``plain_calls_between_probes + 1``-th such call in a row, which speculates and so re-measures the Ks (a
-        co-trained draft may come to pay)."""
-        if self.best(batch_size) != 0:
-            self._plain_calls_in_a_row = 0
-            return False
-        self._plain_calls_in_a_row += 1
-        if self._plain_calls_in_a_row > self.plain_calls_between_probes:
-            self._plain_calls_in_a_row = 0
-            return False
-        return True
+        """Whether a whole call of ``batch_size`` rows should decode plainly (``generate``) rather than speculatively.
 
-    def observe_plain_call(self, batch_size: int, *, seconds: float, steps: int) -> None:
-        """A call decoded plainly in ``steps`` decoding steps: the cost of K = 0 at this batch."""
-        if steps:
-            self.observe_round(batch_size, 0, seconds=seconds / steps, draft_seconds=0.0, tokens_per_row=1.0)
+        Decided on whole calls as measured (`observe_call`), not on the round model: a call also pays its prefill,
+        cache compactions and the loop's bookkeeping, and the speculative generator's own plain rounds cost more
+        than ``generate``'s steps. The first call of a bucket speculates (it measures the Ks), the second decodes
+        plainly; then the route of the higher measured tokens per second wins, and every
+        ``calls_between_probes + 1``-th call takes the other one, so a draft that came to pay (or stopped paying)
+        is noticed."""
+        bucket = self._bucket(batch_size)
+        if False not in bucket.calls or True not in bucket.calls:
+            return False in bucket.calls  # speculate first, then measure plain decoding
+        plain_wins = bucket.calls[True].value > bucket.calls[False].value
+        bucket.calls_since_probe += 1
+        if bucket.calls_since_probe > self.calls_between_probes:
+            bucket.calls_since_probe = 0
+            return not plain_wins
+        return plain_wins
+
+    def observe_call(self, batch_size: int, *, plain: bool, seconds: float, num_tokens: int) -> None:
+        """A whole call of ``batch_size`` rows, decoded plainly or speculatively: its tokens per second."""
+        if seconds > 0 and num_tokens:
+            bucket = self._bucket(batch_size)
+            _feed(bucket.calls, plain, num_tokens / seconds, self.call_smoothing, bucket.rounds, self.first_rounds)
 
     def _exploration(self, bucket: _Bucket) -> int | None:
-        """The two ends of the line first, then, every ``explore_interval`` rounds, the stalest K."""
-        for k in (self.max_speculative_tokens, 0):
-            if k + 1 not in bucket.target:
+        """``K_max``, 0 and 1 first (the ends of the curve, and the K that tells whether drafting pays at all),
+        ``first_rounds`` rounds each; then, every ``explore_interval`` rounds, the stalest K."""
+        for k in (self.max_speculative_tokens, 0, 1):
+            point = bucket.target.get(k + 1)
+            if point is None or point.count < self.first_rounds:
                 return k
         if bucket.rounds and bucket.rounds % self.explore_interval == 0:
             measured_at = {k: bucket.target[k + 1].updated_at if k + 1 in bucket.target else -1 for k in self._ks()}
@@ -235,9 +259,14 @@ class AdaptiveSpeculation:
         return self.predicted_tokens_per_second(batch_size, k) / self.predicted_tokens_per_second(batch_size, 0)
 
     def measured_speedup(self, batch_size: int, k: int) -> float:
-        """Measured throughput of K over plain decoding's at this bucket (NaN until both were run)."""
+        """Measured throughput over plain decoding's at this bucket: of speculative calls over ``generate`` calls
+        once both routes were run (`observe_call`), else of K's rounds over K = 0 rounds (NaN until both ran)."""
         bucket = self._buckets.get(batch_bucket(batch_size))
-        if bucket is None or k not in bucket.seconds or 0 not in bucket.seconds:
+        if bucket is None:
+            return math.nan
+        if True in bucket.calls and False in bucket.calls:
+            return bucket.calls[False].value / bucket.calls[True].value
+        if k not in bucket.seconds or 0 not in bucket.seconds:
             return math.nan
         return (bucket.tokens[k].value / bucket.seconds[k].value) / (1.0 / bucket.seconds[0].value)
 
@@ -249,10 +278,16 @@ class AdaptiveSpeculation:
         bucket = self._bucket(batch_size)
         bucket.rounds += 1
         now, weight = bucket.rounds, self.smoothing
-        expected = _reference_round_seconds(bucket, k)
-        if expected > 0:  # NaN (nothing to compare with yet) fails this too
-            bucket.speed += self.drift_smoothing * (seconds / expected - bucket.speed)
-        _feed(bucket.target, k + 1, (seconds - draft_seconds) / bucket.speed, weight, now)
+        # A K that keeps running tells the machine's drift (it alone sees it); a K just switched to, or still in its
+        # first rounds, tells its own cost relative to the others, at the speed its predecessor left. Learning both
+        # from every round would let the running K's estimate absorb part of a slowdown and lose to stale rivals.
+        point = bucket.target.get(k + 1)
+        if k == bucket.last_k and point is not None and point.count >= self.first_rounds:
+            bucket.speed += self.drift_smoothing * (seconds / _reference_round_seconds(bucket, k) - bucket.speed)
+            point.updated_at = now
+        else:
+            _feed(bucket.target, k + 1, (seconds - draft_seconds) / bucket.speed, weight, now, self.first_rounds)
+        bucket.last_k = k
         if k:
             per_token = draft_seconds / k / bucket.speed
             if bucket.draft is None:
@@ -275,9 +310,11 @@ class AdaptiveSpeculation:
         return range(self.max_speculative_tokens + 1)
 
 
-def _feed(table: dict[int, _Smoothed], key: int, sample: float, weight: float, now: int) -> None:
+def _feed(
+    table: dict[int, _Smoothed], key: int, sample: float, weight: float, now: int, average_first: int = 1
+) -> None:
     if key in table:
-        table[key].update(sample, weight, now)
+        table[key].update(sample, weight, now, average_first=average_first)
     else:
         table[key] = _Smoothed(sample, now)
 
@@ -286,19 +323,29 @@ def _reference_round_seconds(bucket: _Bucket, k: int) -> float:
     """A round of K drafts at the bucket's reference speed (NaN until its parts were measured)."""
     if not bucket.target or (k and bucket.draft is None):
         return math.nan
-    return _fitted_line(bucket.target, k + 1) + (k * bucket.draft.value if k else 0.0)
+    return _monotone_interpolation(bucket.target, k + 1) + (k * bucket.draft.value if k else 0.0)
 
 
-def _fitted_line(points: dict[int, _Smoothed], n: int, *, max_weight: int = 20) -> float:
-    """The line ``a + b * n`` (``b >= 0``: a forward over more tokens costs no less) fitted by least squares to the
-    measured points, each weighted by its number of observations (at most ``max_weight``); flat through a single
-    point."""
-    weights = {x: min(point.count, max_weight) for x, point in points.items()}
-    total = sum(weights.values())
-    mean_x = sum(w * x for x, w in weights.items()) / total
-    mean_y = sum(w * points[x].value for x, w in weights.items()) / total
-    spread = sum(w * (x - mean_x) ** 2 for x, w in weights.items())
-    slope = 0.0
-    if spread > 0:
-        slope = max(sum(w * (x - mean_x) * (points[x].value - mean_y) for x, w in weights.items()) / spread, 0.0)
-    return mean_y + slope * (n - mean_x)
+def _monotone_interpolation(points: dict[int, _Smoothed], n: int, *, max_weight: int = 20) -> float:
+    """The measured averages made non-decreasing in ``n`` (a forward over more tokens costs no less), then joined
+    by straight lines (the last one extended beyond the largest ``n`` measured, flat below the smallest).
+
+    Monotone by weighted pool-adjacent-violators, each point weighted by its observations (at most ``max_weight``):
+    a rarely run K whose few rounds were noisy gives way to its well-measured neighbour instead of steering the
+    choice. Joining neighbours, not fitting one line over every K, follows the curve where it bends: the cost of
+    ``n`` tokens per row is flat while the forward is overhead-bound and steepens once it is compute-bound.
+    """
+    blocks: list[tuple[float, int, list[int]]] = []  # pooled value, weight, the n's it covers
+    for x in sorted(points):
+        value, weight, xs = points[x].value, min(points[x].count, max_weight), [x]
+        while blocks and blocks[-1][0] > value:
+            previous_value, previous_weight, previous_xs = blocks.pop()
+            value = (previous_value * previous_weight + value * weight) / (previous_weight + weight)
+            weight, xs = previous_weight + weight, previous_xs + xs
+        blocks.append((value, weight, xs))
+    fitted = [(x, value) for value, _, xs in blocks for x in xs]
+    if n <= fitted[0][0] or len(fitted) == 1:
+        return fitted[0][1]
+    segments = list(itertools.pairwise(fitted))
+    (x0, y0), (x1, y1) = next((segment for segment in segments if n <= segment[1][0]), segments[-1])
+    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)

@@ -157,15 +157,13 @@ class SpeculativeRollouts:
     # ------------------------------------------------------------------ HF-native
 
     def plain_turn(self, prompt_ids: list[list[int]], plain: Callable[[], tuple], *, step: int, training: bool):
-        """TRL's own generation, for a call where the cost model expects no K > 0 to pay: the speculative generator's
-        plain rounds cost more than `generate`'s steps, so `generate` is K = 0, and its timing is fed back as such."""
+        """TRL's own generation, for a call where adaptive speculation measured plain calls to be faster (or
+        re-measures them); its tokens per second are fed back."""
         started = time.perf_counter()
         completions, logprobs = plain()
         elapsed = time.perf_counter() - started
-        self.speculation.observe_plain_call(
-            len(prompt_ids), seconds=elapsed, steps=max(map(len, completions), default=0)
-        )
         num_tokens = sum(map(len, completions))
+        self.speculation.observe_call(len(prompt_ids), plain=True, seconds=elapsed, num_tokens=num_tokens)
         self._log_metrics(
             SpecDecodeStats(), num_tokens, elapsed, step=step, training=training, engine_call=(len(prompt_ids), 0)
         )
@@ -217,7 +215,10 @@ class SpeculativeRollouts:
         # Keep tokens up to and including the first EOS, as TRL does after generate(); only padding follows it.
         keep = (is_eos.cumsum(1) - is_eos.int()) == 0
         completions = [row[mask].tolist() for row, mask in zip(completion_ids.cpu(), keep.cpu())]
-        self._log_metrics(out, sum(map(len, completions)), elapsed, step=step, training=training)
+        num_tokens = sum(map(len, completions))
+        if isinstance(self.speculation, AdaptiveSpeculation):
+            self.speculation.observe_call(len(prompt_ids), plain=False, seconds=elapsed, num_tokens=num_tokens)
+        self._log_metrics(out, num_tokens, elapsed, step=step, training=training)
         return completions, None
 
     # ------------------------------------------------------------------ vLLM
