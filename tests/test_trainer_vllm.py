@@ -83,16 +83,16 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
 
 def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, tiny_policy_dir):
     """`num_speculative_tokens="auto"`: the colocated engine is built with K_max and the cost model sets K before
-    every call: K_max on the engine's first call (set-up, not measured) and again, then 0 (both ends measured), then
-    its best."""
+    every call: K_max on the engine's first call (set-up, not measured) and again, then 0 and 1 (the ends and the
+    first step measured), then its best."""
     vllm_engine_pool.close()
-    trainer = _trainer(tiny_policy_dir, tmp_path, max_steps=4, num_speculative_tokens="auto", max_speculative_tokens=3)
+    trainer = _trainer(tiny_policy_dir, tmp_path, max_steps=5, num_speculative_tokens="auto", max_speculative_tokens=3)
     engine = trainer.rollout_engine
     try:
         assert engine.adaptive_speculation and engine.max_speculative_tokens == 3
         trainer.train()
         logs = [entry for entry in trainer.state.log_history if "spec/num_speculative_tokens" in entry]
-        assert [entry["spec/num_speculative_tokens"] for entry in logs][:3] == [3, 3, 0]
+        assert [entry["spec/num_speculative_tokens"] for entry in logs][:4] == [3, 3, 0, 1]
         assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
         assert logs[-1]["spec/predicted_speedup"] > 0
         assert logs[2]["spec/measured_speedup"] == 1  # the plain call, once both ends were measured

@@ -83,8 +83,9 @@ class SpeculativeRollouts:
         self._engine_calls = 0
         self._fallbacks_in_a_row = 0
         self.step_times = step_times or StepTimes(metrics)
+        # An engine call is seen as its average decoding step, already an average over many: one per K will do.
         self.speculation: SpeculationPolicy = (
-            AdaptiveSpeculation(args.max_speculative_tokens)
+            AdaptiveSpeculation(args.max_speculative_tokens, first_rounds=1 if engine is not None else 2)
             if args.num_speculative_tokens == "auto"
             else FixedSpeculation(args.num_speculative_tokens)
         )
@@ -357,7 +358,7 @@ def _observe_engine_call(
     model: AdaptiveSpeculation, batch_size: int, k: int, counters, num_tokens: int, seconds: float
 ) -> None:
     """Feed the cost model one engine call as its average decoding step: the engine reports no per-step times, so
-    the draft's share stays in the step's time (the model's line over K + 1 carries it)."""
+    the draft's share stays in the step's time (the model's cost of K + 1 tokens carries it)."""
     row_steps = counters.num_drafts if k else num_tokens  # every running row drafts (or decodes) once per step
     if not row_steps:
         return
