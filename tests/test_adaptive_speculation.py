@@ -311,8 +311,10 @@ def test_generator_with_the_cost_model_chooses_by_cost(monkeypatch, pays):
         target, draft, input_ids, attention_mask, max_new_tokens=60, num_speculative_tokens=model
     )
     assert torch.equal(out.sequences, want)
-    # Each batch-size bucket the call meets (rows leave at EOS) first runs K_max, K = 0 and K = 1, two rounds each
-    # (the last bucket may end before it has run them all).
+    # Each batch-size bucket the call meets (rows leave at EOS) first runs K_max, K = 0 and K = 1, two measured
+    # rounds each (the last bucket may end before it has run them all); the call's first drafting round also runs
+    # the draft over the prompts, so it is not a measurement and K_max runs once more.
+    assert [k for _, k in out.rounds[:3]] == [4, 4, 4]
     buckets = {batch_bucket(live) for live, _ in out.rounds}
     chosen = [k for _, k in out.rounds]
     assert len(chosen) > 8 * len(buckets)
@@ -320,7 +322,7 @@ def test_generator_with_the_cost_model_chooses_by_cost(monkeypatch, pays):
     if pays:
         assert chosen.count(0) <= first and model.best(8) > 0 and model.predicted_speedup(8) > 1
     else:
-        assert chosen.count(4) <= first and chosen.count(1) <= first and set(chosen) == {0, 1, 4}
+        assert chosen.count(4) <= first + 1 and chosen.count(1) <= first and set(chosen) == {0, 1, 4}
         assert model.best(8) == 0
 
 

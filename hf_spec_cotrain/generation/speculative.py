@@ -294,10 +294,15 @@ class _SpeculativeDecoder:
             finished, (row_ids, last_token, next_position), pending
         )
 
+        drafted_before = False
         while row_ids.numel():
             live = row_ids.numel()
             k = self.speculation.choose(live)
             started = self._clock()
+            # The first drafting round also runs the draft over the prompts: part of the prefill, not a sample of
+            # what a round of K costs.
+            costs_a_prefill = k > 0 and not drafted_before
+            drafted_before = drafted_before or k > 0
             if k:
                 # 1. The draft catches up on the verified positions it has not seen, whose last output proposes
                 # d_1; then chain drafting proposes d_2..d_K from the draft's own output.
@@ -355,9 +360,14 @@ class _SpeculativeDecoder:
             )
             if row_ids.numel():
                 self._compact_caches()
-            self.speculation.observe_round(
-                live, k, seconds=self._clock() - started, draft_seconds=draft_seconds, tokens_per_row=tokens_per_row
-            )
+            if not costs_a_prefill:
+                self.speculation.observe_round(
+                    live,
+                    k,
+                    seconds=self._clock() - started,
+                    draft_seconds=draft_seconds,
+                    tokens_per_row=tokens_per_row,
+                )
             if k:
                 self.speculation.observe_acceptance(reached_now.tolist(), accepted_now.tolist())
             rounds.append((live, k))
