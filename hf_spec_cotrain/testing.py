@@ -67,6 +67,17 @@ _FAMILY_OPTIONS = {
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     },
 }
+# Where each family puts a sliding window of `sliding_window` tokens: every other layer for gpt-oss, every layer for
+# Mistral, and Gemma-style interleaving (a full-attention layer after every sliding one) for Qwen3.
+_SLIDING_WINDOW_OPTIONS = {
+    "gpt_oss": lambda window, layers: {"sliding_window": window},
+    "mistral": lambda window, layers: {"sliding_window": window},
+    "qwen3": lambda window, layers: {
+        "use_sliding_window": True,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+    },
+}
 # vLLM's CPU attention kernels refuse smaller heads.
 _MIN_HEAD_DIM = 32
 # Logits with a standard deviation of about 3: peaked enough for a stable greedy argmax and for a
@@ -136,6 +147,7 @@ def build_tiny_target(
     vocab_size: int | None = None,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
+    sliding_window: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     tokenizer: PreTrainedTokenizerFast | None = None,
@@ -143,7 +155,9 @@ def build_tiny_target(
     """A random causal LM of `family` (one of `SUPPORTED_FAMILIES`) with seeded, non-degenerate weights.
 
     MoE families get 4 experts, 2 per token (Qwen3-MoE's of half `intermediate_size`); gpt-oss alternates
-    sliding-window (16 tokens) and full-attention layers, as the real models do.
+    sliding-window (16 tokens) and full-attention layers, as the real models do. `sliding_window` sets another window
+    for gpt-oss, and gives one to Mistral (every layer) or Qwen3 (every other layer, Gemma-style); other families
+    have none.
 
     `vocab_size` defaults to the size of `tokenizer` (the character tokenizer when None). Matrices
     are drawn with standard deviation `1/sqrt(fan_in)` (embeddings: 1; lm_head: 3 times that), norm weights around 1 and
@@ -163,12 +177,20 @@ def build_tiny_target(
             f"family='qwen2' derives head_dim from hidden_size / num_attention_heads in vLLM, so hidden_size="
             f"{hidden_size} must equal num_attention_heads * head_dim = {num_attention_heads * head_dim}."
         )
+    if sliding_window is not None and family not in _SLIDING_WINDOW_OPTIONS:
+        raise ValueError(
+            f"family={family!r} has no sliding-window variant; sliding_window needs one of "
+            f"{', '.join(_SLIDING_WINDOW_OPTIONS)}."
+        )
     tokenizer = build_char_tokenizer() if tokenizer is None else tokenizer
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens.")
 
     config_class, model_class = _FAMILIES[family]
+    options = _FAMILY_OPTIONS.get(family, lambda *sizes: {})(num_layers, intermediate_size, max_position_embeddings)
+    if sliding_window is not None:
+        options.update(_SLIDING_WINDOW_OPTIONS[family](sliding_window, num_layers))
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -182,7 +204,7 @@ def build_tiny_target(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **_FAMILY_OPTIONS.get(family, lambda *sizes: {})(num_layers, intermediate_size, max_position_embeddings),
+        **options,
     )
     model = model_class(config)
     _fill_seeded(model, seed=seed)

@@ -437,14 +437,20 @@ class Eagle3DraftModel(PreTrainedModel):
         )
 
 
-def causal_slot_mask(slot_mask: torch.Tensor, length: int) -> torch.Tensor:
+def causal_slot_mask(slot_mask: torch.Tensor, length: int, *, window: int | None = None) -> torch.Tensor:
     """``[B, 1, L, slots]`` bool: the queries of the last ``L`` slots see the slots up to their own that hold real
     tokens (``slot_mask``, ``[B, slots]`` bool; slot order is time order, so a hole or padding is simply False).
 
-    A query always sees its own slot, so a padding query gets a finite (ignored) output rather than NaN.
+    A ``window`` of ``W`` also hides keys ``W`` or more *real* tokens behind the query (HF's sliding window,
+    ``key_position > query_position - W``): a row's real tokens sit at consecutive positions, so counting kept slots
+    measures the distance and holes never count. A query always sees its own slot, so a padding query gets a finite
+    (ignored) output rather than NaN.
     """
     slots = slot_mask.shape[1]
     key_slot = torch.arange(slots, device=slot_mask.device)
     query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
     visible = (key_slot <= query_slot) & slot_mask[:, None, :]
+    if window is not None:
+        real_tokens = slot_mask.long().cumsum(1)  # a real slot's position + 1
+        visible &= real_tokens[:, None, :] > real_tokens[:, -length:, None] - window
     return (visible | (key_slot == query_slot))[:, None]

@@ -5,7 +5,9 @@ path copies each key/value head once per query head of its group (`repeat_kv`, s
 refuses a mask on the fast kernels) and, on CPU, runs the masked kernel. Folding the group's query heads and the
 ``K + 1`` verified tokens into one matmul's rows instead reads each key/value head once: on this repository's CPU
 a verification forward of 4 tokens x 16 rows then costs 1.1 plain decoding steps instead of 1.9 (measured in
-`scripts/bench_speculative.py`). On CUDA, SDPA's memory-efficient kernel takes masks and is kept.
+`scripts/bench_speculative.py`). On CUDA, SDPA's memory-efficient kernel takes masks and is kept; eager attention
+is replaced on every device, since it adds a mask to the scores and so cannot take a bool one (gpt-oss, whose
+attention sinks no SDPA kernel has, runs eager by default).
 
 `decoding_attention(model)` switches a model to that kernel for the duration of a generation (registered with
 transformers' `AttentionInterface`) and restores its own implementation afterwards.
@@ -23,17 +25,23 @@ from transformers import AttentionInterface
 __all__ = ["GROUPED_ATTENTION", "decoding_attention", "grouped_attention"]
 
 GROUPED_ATTENTION = "hf_spec_cotrain_grouped"
-_REPLACEABLE = ("sdpa", "eager")
 
 
 def grouped_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, *, scale: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale, masked) v``: query ``[B, Hq, Lq, D]``, key/value ``[B, Hkv, Lk, D]`` (``Hq`` a
     multiple of ``Hkv``, query head ``h`` reading key/value head ``h // (Hq / Hkv)``), ``mask`` bool
-    ``[B, 1, Lq, Lk]`` (True: visible). Returns ``[B, Hq, Lq, D]``; softmax in at least float32."""
+    ``[B, 1, Lq, Lk]`` (True: visible). ``sinks`` ``[Hq]``: gpt-oss's per-head sink logits, one more softmax entry
+    that takes probability but carries no value. Returns ``[B, Hq, Lq, D]``; softmax in at least float32."""
     batch, query_heads, query_length, head_dim = query.shape
-    if query_length == 1:  # one row per head: nothing to fold, and SDPA is one call instead of eleven
+    if query_length == 1 and sinks is None:  # one row per head: nothing to fold, and SDPA is one call, not eleven
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     kv_heads, key_length = key.shape[1], key.shape[2]
     group = query_heads // kv_heads
@@ -41,16 +49,42 @@ def grouped_attention(
     rows = query.reshape(batch, kv_heads, group * query_length, head_dim)  # a group's heads are consecutive
     scores = torch.matmul(rows, key.transpose(-1, -2)).view(batch, kv_heads, group, query_length, key_length)
     scores = (scores * scale).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(value.dtype)
-    out = torch.matmul(probs.view(batch, kv_heads, group * query_length, key_length), value)
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    if sinks is None:
+        probs = scores.softmax(-1, dtype=dtype)
+    else:
+        probs = _softmax_with_sinks(scores.to(dtype), sinks.to(dtype).view(kv_heads, group, 1, 1))
+    out = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * query_length, key_length), value)
     return out.view(batch, query_heads, query_length, head_dim)
 
 
-def _hf_grouped_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention-function signature around `grouped_attention` (output ``[B, Lq, Hq, D]``)."""
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys and a sink logit, sink entry dropped: the keys' softmax scaled by the share the keys
+    keep, ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)`` (stable for any magnitudes)."""
+    lse = scores.logsumexp(-1, keepdim=True)
+    return (scores - lse).exp() * torch.sigmoid(lse - sinks)
+
+
+def _hf_grouped_attention(
+    module: nn.Module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    s_aux=None,
+    softcap=None,
+    **kwargs,
+):
+    """transformers' attention-function signature around `grouped_attention` (output ``[B, Lq, Hq, D]``); gpt-oss's
+    ``s_aux`` are the sinks. A sliding window is already in the generator's mask; a logit soft-cap is refused rather
+    than silently ignored."""
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise ValueError("The grouped decoding attention needs the generator's 4-D bool mask.")
-    out = grouped_attention(query, key, value, attention_mask[..., -key.shape[2] :], scale=scaling)
+    if softcap is not None:
+        raise ValueError(f"The grouped decoding attention has no logit soft-cap (this model's softcap={softcap}).")
+    out = grouped_attention(query, key, value, attention_mask[..., -key.shape[2] :], scale=scaling, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -59,11 +93,11 @@ AttentionInterface.register(GROUPED_ATTENTION, _hf_grouped_attention)
 
 @contextmanager
 def decoding_attention(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s attention through `grouped_attention` while generating on CPU (SDPA or eager models only;
-    others, and CUDA, keep their own); the implementation it had is restored afterwards."""
+    """Run ``model``'s attention through `grouped_attention` while generating: eager models on every device, SDPA
+    models on CPU (others, and SDPA on CUDA, keep their own); the implementation it had is restored afterwards."""
     config = model.config
     original = config._attn_implementation
-    replace = original in _REPLACEABLE and next(model.parameters()).device.type == "cpu"
+    replace = original == "eager" or (original == "sdpa" and next(model.parameters()).device.type == "cpu")
     if replace:
         config._attn_implementation = GROUPED_ATTENTION
     try:

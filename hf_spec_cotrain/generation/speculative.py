@@ -19,6 +19,11 @@ Caches are never cropped: rows accept different numbers of tokens, so a rejected
 causal-by-slot mask of that slot mask (`causal_slot_mask`), which is exactly what holes need; on CPU the target
 attends through `decoding_attention`'s grouped kernel. Finished rows leave the batch, and caches whose holes
 outnumber their kept slots are compacted (keys carry their RoPE rotation, so moving slots changes nothing).
+
+Sliding-window layers (gpt-oss, Mistral, interleaved ``layer_types``) get the same mask with the window counted in
+real tokens (`causal_slot_mask`'s ``window``), so holes never take a place in it; a target mixing layer types gets
+one mask per type. Their caches keep every slot, as full-attention layers' do: HF's sliding-window cache keeps the
+last ``W - 1`` slots, holes included, which would drop tokens still inside the window.
 """
 
 import time
@@ -56,6 +61,7 @@ __all__ = [
 ]
 
 DRAFT_SAMPLING_METHODS = ("probabilistic", "greedy")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -258,6 +264,7 @@ class _SpeculativeDecoder:
         self.embedding = target.get_input_embeddings()
         self.draft_ids = draft.draft_to_target_ids.to(self.embedding.weight.device)
         self.eos_ids = eos_ids.to(self.embedding.weight.device)
+        self.layer_windows = _layer_windows(target.config.get_text_config())
 
     # ------------------------------------------------------------------ the loop
 
@@ -281,7 +288,7 @@ class _SpeculativeDecoder:
         # (here the prompts) waits in `pending` until a round drafts: rounds of K = 0 never run the draft.
         slot_mask = attention_mask.to(device=device, dtype=torch.bool)
         positions = (slot_mask.long().cumsum(1) - 1).clamp(min=0)
-        self.target_cache, self.target_mask = DynamicCache(config=self.target.config), slot_mask
+        self.target_cache, self.target_mask = DynamicCache(), slot_mask
         self.draft_cache, self.draft_mask = DynamicCache(), slot_mask[:, :0]
         logits, taps = self._target_forward(input_ids, positions, logits_to_keep=1)
         num_target_forwards = 1
@@ -407,13 +414,22 @@ class _SpeculativeDecoder:
         with self.recorder.capture():
             logits = self.target(
                 input_ids=input_ids,
-                attention_mask=causal_slot_mask(self.target_mask, input_ids.shape[1]),
+                attention_mask=self._target_attention_mask(input_ids.shape[1]),
                 position_ids=position_ids,
                 past_key_values=self.target_cache,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             ).logits
         return logits, self.recorder.pop().aux_hidden_states
+
+    def _target_attention_mask(self, length: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The mask of the last ``length`` slots: one tensor if every layer has the same window, else one per layer
+        type (the mapping transformers' models take in place of building their own masks)."""
+        masks = {
+            layer_type: causal_slot_mask(self.target_mask, length, window=window)
+            for layer_type, window in self.layer_windows.items()
+        }
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped probabilities over ``[..., V]``, computed in at least float32."""
@@ -510,12 +526,13 @@ class _SpeculativeDecoder:
         return time.perf_counter()
 
     def _compact_caches(self) -> None:
-        self.target_cache, self.target_mask = _compact(self.target_cache, self.target_mask, self.target.config)
-        self.draft_cache, self.draft_mask = _compact(self.draft_cache, self.draft_mask, None)
+        self.target_cache, self.target_mask = _compact(self.target_cache, self.target_mask)
+        self.draft_cache, self.draft_mask = _compact(self.draft_cache, self.draft_mask)
 
 
-def _compact(cache: DynamicCache, slot_mask: torch.Tensor, config) -> tuple[DynamicCache, torch.Tensor]:
-    """Drop holes once they outnumber the kept slots of the fullest row: kept slots keep their order, left-padded."""
+def _compact(cache: DynamicCache, slot_mask: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """Drop holes once they outnumber the kept slots of the fullest row: kept slots keep their order, left-padded
+    (every layer keeps all its slots: see the module docstring on sliding windows)."""
     slots = slot_mask.shape[1]
     width = int(slot_mask.sum(1).max())
     if slots - width <= width:
@@ -527,7 +544,7 @@ def _compact(cache: DynamicCache, slot_mask: torch.Tensor, config) -> tuple[Dyna
         return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
 
     layers = [(gather(keys), gather(values)) for keys, values, _ in cache]
-    return DynamicCache(layers, config=config), slot_mask.gather(1, order)
+    return DynamicCache(layers), slot_mask.gather(1, order)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -636,21 +653,35 @@ def _validate_arguments(
 
 
 def check_speculative_target(config) -> None:
-    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError): rejected draft
-    tokens stay in the cache as masked slots, which a sliding window would count as positions, and a
-    linear-attention (recurrent) layer would have already folded them into its state."""
+    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError): it verifies
+    attention layers, full or sliding-window, whose rejected tokens stay in the cache as masked slots. A
+    linear-attention (recurrent) layer would already have folded rejected tokens into its state."""
     text_config = config.get_text_config()
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is None and getattr(text_config, "sliding_window", None) is not None:
-        layer_types = ["sliding_attention"]  # a window without layer types is every layer's (Mistral's configs)
-    other = sorted(set(layer_types or []) - {"full_attention"})
+    layer_types = set(_layer_types(text_config))
+    if "linear_attention" in layer_types:
+        raise ValueError(
+            f"This {text_config.model_type} target has linear_attention layers, which speculative_generate cannot "
+            "verify: their recurrent state would keep the rejected draft tokens, having no cache slots to mask. "
+            "vLLM serves this family with an EAGLE-3 draft (use_vllm=True)."
+        )
+    other = sorted(layer_types - set(_ATTENTION_LAYER_TYPES))
     if other:
-        reasons = {
-            "sliding_attention": "a sliding window would count rejected tokens, which stay as masked cache slots",
-            "linear_attention": "a recurrent state would keep rejected tokens, having no cache slots to mask",
-        }
-        why = "; ".join(f"{kind}: {reasons.get(kind, 'not a full-attention layer')}" for kind in other)
         raise ValueError(
             f"This {text_config.model_type} target has {', '.join(other)} layers, and speculative_generate verifies "
-            f"full-attention layers only ({why})."
+            f"{' and '.join(_ATTENTION_LAYER_TYPES)} layers only."
         )
+
+
+def _layer_types(text_config) -> list[str]:
+    """Each layer's type; a window without layer types is every layer's (Mistral's configs)."""
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    default = "sliding_attention" if getattr(text_config, "sliding_window", None) is not None else "full_attention"
+    return [default] * text_config.num_hidden_layers
+
+
+def _layer_windows(text_config) -> dict[str, int | None]:
+    """The sliding window of each layer type the target has (None: full attention)."""
+    windows = {"full_attention": None, "sliding_attention": getattr(text_config, "sliding_window", None)}
+    return {layer_type: windows[layer_type] for layer_type in dict.fromkeys(_layer_types(text_config))}
