@@ -22,12 +22,15 @@ from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+# (family, window) of targets with sliding-window layers: gpt-oss's own 16 tokens (alternating with full layers),
+# Mistral's window on every layer, Qwen3's interleaved; every window is shorter than prompt + generated tokens.
+SLIDING_TARGETS = (("gpt_oss", None), ("mistral", 5), ("qwen3", 8))
 EOS = 2  # the character tokenizer's </s>, the tiny targets' generation_config.eos_token_id
 NUM_LAYERS = 7  # default taps (2, 3, 4) are distinct
 P_VALUE_THRESHOLD = 1e-3
 
 
-def _target(family, *, seed=0):
+def _target(family, *, seed=0, sliding_window=None):
     return build_tiny_target(
         family,
         num_layers=NUM_LAYERS,
@@ -36,6 +39,7 @@ def _target(family, *, seed=0):
         num_key_value_heads=1,
         head_dim=32,
         intermediate_size=96,
+        sliding_window=sliding_window,
         seed=seed,
     )
 
@@ -83,9 +87,9 @@ def _fit_draft(target, rows, *, steps, draft_vocab_size=None, aux_layer_ids=None
 
 
 @functools.cache
-def _setup(family):
+def _setup(family, sliding_window=None):
     """Target, a random draft, a trained draft (reduced vocabulary for qwen2) and its left-padded training prompts."""
-    target = _target(family)
+    target = _target(family, sliding_window=sliding_window)
     input_ids, attention_mask = _left_padded_prompts([6, 3, 5, 4, 6, 2, 5, 3], target.config.vocab_size, seed=1)
     rows = _greedy_rows(target, input_ids, attention_mask)
     trained = _fit_draft(target, rows, steps=60, draft_vocab_size=60 if family == "qwen2" else None)
@@ -101,10 +105,11 @@ def _setup(family):
 # ---------------------------------------------------------------------------------------------- greedy
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, sliding_window", [(family, None) for family in FAMILIES] + list(SLIDING_TARGETS))
 @pytest.mark.parametrize("num_speculative_tokens", [1, 3, 5])
-def test_greedy_equals_generate(family, num_speculative_tokens):
-    target, random_draft, trained, input_ids, attention_mask = _setup(family)
+def test_greedy_equals_generate(family, sliding_window, num_speculative_tokens):
+    """Sliding windows included: rejected drafts stay in the cache as holes, which must not count towards them."""
+    target, random_draft, trained, input_ids, attention_mask = _setup(family, sliding_window)
     max_new_tokens = 29  # not a multiple of K + 1 for K in {1, 3, 5}
     want = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens)
     for draft in (random_draft, trained):
