@@ -335,10 +335,10 @@ def test_bfloat16_target_leaves_generate_only_at_near_ties(family):
 
 
 @functools.cache
-def _small_vocab_setup():
+def _small_vocab_setup(family="llama", sliding_window=None):
     tokenizer = build_char_tokenizer("abcdefghijklmnop")  # 20 ids, EOS among them
     target = build_tiny_target(
-        "llama",
+        family,
         tokenizer=tokenizer,
         num_layers=4,
         hidden_size=64,
@@ -346,9 +346,12 @@ def _small_vocab_setup():
         num_key_value_heads=1,
         head_dim=32,
         intermediate_size=96,
+        sliding_window=sliding_window,
         seed=3,
         dtype=torch.float64,
     )
+    if family == "gpt_oss":
+        target.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
     with torch.no_grad():
         target.lm_head.weight.mul_(0.3)  # broad next-token laws: many outcomes, top-k/top-p cut deep
     prompt = torch.tensor([[1, 7, 12, 5, 9]])
@@ -368,8 +371,8 @@ NUM_SAMPLES = 3000
 NUM_NEW_TOKENS = 3
 
 
-def _sample(draft, *, seed, **kwargs):
-    target, _, prompt = _small_vocab_setup()
+def _sample(draft, *, seed, target_setup=("llama", None), **kwargs):
+    target, _, prompt = _small_vocab_setup(*target_setup)
     out = speculative_generate(
         target,
         draft,
@@ -386,8 +389,8 @@ def _sample(draft, *, seed, **kwargs):
 
 
 @functools.cache
-def _exact(temperature=1.0, top_k=0, top_p=1.0):
-    target, _, prompt = _small_vocab_setup()
+def _exact(temperature=1.0, top_k=0, top_p=1.0, target_setup=("llama", None)):
+    target, _, prompt = _small_vocab_setup(*target_setup)
     return exact_distribution(
         target, prompt, NUM_NEW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p, pad=0, eos=EOS
     )
@@ -413,6 +416,20 @@ def test_sampling_follows_target_distribution(temperature, top_k, top_p, reduced
     assert g_test(samples, _exact(**warp)) > P_VALUE_THRESHOLD
     assert 0 < out.num_accepted_tokens < out.num_draft_tokens  # both acceptance and rejection happened
     _check_counters(out, k)
+
+
+@pytest.mark.parametrize("draft_sampling", ["probabilistic", "greedy"])
+def test_sampling_through_sliding_windows_follows_target_distribution(draft_sampling):
+    """gpt-oss with a window of 3 (a 5-token prompt: it slides at every generated token), its sinks, and rejected
+    drafts that must not take a place in the window."""
+    setup = ("gpt_oss", 3)
+    _, drafts, _ = _small_vocab_setup(*setup)
+    samples, out = _sample(
+        drafts[False], seed=4, num_speculative_tokens=2, draft_sampling=draft_sampling, target_setup=setup
+    )
+    assert g_test(samples, _exact(target_setup=setup)) > P_VALUE_THRESHOLD
+    assert 0 < out.num_accepted_tokens < out.num_draft_tokens
+    _check_counters(out, 2)
 
 
 def test_distribution_test_has_teeth(monkeypatch):
@@ -540,13 +557,15 @@ def test_bad_arguments_raise_clear_errors():
         speculative_generate(target, draft, input_ids, attention_mask.flip(1), max_new_tokens=4)
     with pytest.raises(ValueError, match=r"int64 tensor \[batch, prompt_len\]; got \(6,\)"):
         speculative_generate(target, draft, input_ids[0], max_new_tokens=4)
-    sliding = copy.deepcopy(target)
-    sliding.config.layer_types = ["sliding_attention"] * NUM_LAYERS
-    with pytest.raises(ValueError, match="sliding_attention"):
-        speculative_generate(sliding, draft, input_ids, attention_mask, max_new_tokens=4)
-    windowed = copy.deepcopy(target)  # a window without layer types (Mistral's configs) covers every layer
-    windowed.config.layer_types, windowed.config.sliding_window = None, 64
-    with pytest.raises(ValueError, match="sliding_attention"):
-        speculative_generate(windowed, draft, input_ids, attention_mask, max_new_tokens=4)
+    hybrid = copy.deepcopy(target)  # Qwen3.5 / Qwen3-Next: linear attention between full-attention layers
+    hybrid.config.layer_types = ["linear_attention", "full_attention"] * 3 + ["full_attention"]
+    with pytest.raises(ValueError, match=r"llama target has linear_attention layers, .*vLLM serves this family"):
+        speculative_generate(hybrid, draft, input_ids, attention_mask, max_new_tokens=4)
+    chunked = copy.deepcopy(target)
+    chunked.config.layer_types = ["chunked_attention"] * NUM_LAYERS
+    with pytest.raises(
+        ValueError, match="chunked_attention layers, .*full_attention and sliding_attention layers only"
+    ):
+        speculative_generate(chunked, draft, input_ids, attention_mask, max_new_tokens=4)
     with pytest.warns(UserWarning, match="no effect with `do_sample=False`"):
         call(draft_sampling="probabilistic")
