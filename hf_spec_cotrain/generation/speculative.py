@@ -662,7 +662,7 @@ def check_speculative_target(config) -> None:
         raise ValueError(
             f"This {text_config.model_type} target has linear_attention layers, which speculative_generate cannot "
             "verify: their recurrent state would keep the rejected draft tokens, having no cache slots to mask. "
-            "vLLM serves this family with an EAGLE-3 draft (use_vllm=True)."
+            "vLLM serves this family with an EAGLE-3 draft."
         )
     other = sorted(layer_types - set(_ATTENTION_LAYER_TYPES))
     if other:
