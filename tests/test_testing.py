@@ -106,7 +106,22 @@ def test_tiny_target_options():
     assert build_tiny_target("qwen2", num_layers=1).model.layers[0].self_attn.q_proj.bias is not None
 
 
+def test_tiny_target_sliding_windows():
+    def layout(family, **kwargs):
+        config = build_tiny_target(family, num_layers=4, **kwargs).config
+        return config.sliding_window, getattr(config, "layer_types", None)
+
+    sliding, full = "sliding_attention", "full_attention"
+    assert layout("gpt_oss") == (16, [sliding, full] * 2)
+    assert layout("gpt_oss", sliding_window=5) == (5, [sliding, full] * 2)
+    assert layout("mistral") == (None, None)
+    assert layout("mistral", sliding_window=5) == (5, None)  # a window without layer types: every layer's
+    assert layout("qwen3", sliding_window=5) == (5, [sliding, full] * 2)
+
+
 def test_tiny_target_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="family='llama' has no sliding-window variant.*gpt_oss, mistral, qwen3"):
+        build_tiny_target("llama", sliding_window=8)
     with pytest.raises(ValueError, match="family='gpt2'.*llama, qwen2, qwen3"):
         build_tiny_target("gpt2")
     with pytest.raises(ValueError, match="head_dim=16.*>= 32"):
