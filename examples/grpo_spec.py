@@ -719,8 +719,8 @@ def print_summary(summary: dict) -> None:
             f"{probe['plain']:.3f}: permutation test within probes p = {summary['probe_rollout_p_value']:.2f}"
         )
     print(
-        f"K per round (auto) {summary['num_speculative_tokens']:.2f}; predicted speed-up "
-        f"{summary['predicted_speedup']:.2f}x, measured against plain rounds {summary['measured_speedup']:.2f}x"
+        f"K per round (auto) {summary['num_speculative_tokens']:.2f}; the cost model's speed-up over plain decoding: "
+        f"predicted {summary['predicted_speedup']:.2f}x, measured {summary['measured_speedup']:.2f}x"
     )
     if "acceptance" in summary:
         acceptance = summary["acceptance"]
