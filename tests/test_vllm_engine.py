@@ -262,7 +262,7 @@ def test_full_vocab_draft_with_probabilistic_drafting(vllm_engine_full_vocab, ti
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"])
 def test_policy_sync_other_families(vllm_engine_for, family):
     handle = vllm_engine_for(family)
     engine = handle.engine

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from .engine import WeightSet
-from .vllm_layout import ModelLayout, ParamShape
+from .vllm_layout import ModelLayout, ParamShape, PolicyNames
 
 
 __all__ = ["describe_models", "find_mismatches", "load_draft_weights", "load_policy_weights", "read_params"]
@@ -110,14 +110,21 @@ def _process_moe_updates_as_first_loads(model: torch.nn.Module) -> None:
             module.quant_method.moe_kernel = None
 
 
+@torch.no_grad()
 def load_policy_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Reload every policy weight from HF-named tensors with vLLM's own loader and kernel post-processing."""
-    _process_moe_updates_as_first_loads(worker.get_model())
+    """Reload every policy weight from HF-named tensors with vLLM's own loader and kernel post-processing, then
+    write in place those that the reload would skip (`PolicyNames.for_loader`)."""
+    model = worker.get_model()
+    # vLLM's loader skips a tied lm_head itself: tying changes nothing here.
+    reloaded, copied = PolicyNames(tie_word_embeddings=False, architecture=type(model).__name__).for_loader(weights)
+    _process_moe_updates_as_first_loads(model)
     try:
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        worker.reload_weights(weights_iterator=iter(reloaded), is_checkpoint_format=True)
     except Exception:
-        _abort_layerwise_reload(worker.get_model())
+        _abort_layerwise_reload(model)
         raise
+    for name, tensor in copied.items():
+        model.get_parameter(name).copy_(tensor)
 
 
 def load_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -164,7 +171,7 @@ def _read_weight(module: torch.nn.Module, leaf: str, param: torch.Tensor, spec: 
     A linear weight whose storage the kernel does not read directly (the CPU backend packs it into
     a oneDNN or sgl handle and keeps an empty or stale `weight`) is read by applying the layer to
     the identity: `apply(I) = I @ W.T`. The CPU MoE kernel's prepacked expert weights are unpacked
-    (`_unpack`) with that kernel's packing.
+    (`_unpack`) with that kernel's packing, and its expert biases read from the kernel.
     """
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.linear import LinearBase
@@ -183,6 +190,9 @@ def _read_weight(module: torch.nn.Module, leaf: str, param: torch.Tensor, spec: 
     experts = _cpu_moe_experts(module)
     if experts is not None and leaf in ("w13_weight", "w2_weight") and not experts._use_zentorch:
         return _unpack(param, lambda tensor: cpu_prepack_moe_weight(tensor, experts.isa))
+    if experts is not None and leaf in ("w13_bias", "w2_bias"):
+        # The kernel holds the biases of the layer as it was processed, which a reload does not register.
+        return experts.w1_bias if leaf == "w13_bias" else experts.w2_bias
     return param[: spec.shape[0]] if param.shape != spec.shape else param
 
 
