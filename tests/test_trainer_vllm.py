@@ -6,6 +6,7 @@ from datasets import Dataset
 from vllm_test_utils import hf_greedy
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
+from hf_spec_cotrain.generation import vllm_layout
 from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
 
 
@@ -109,11 +110,12 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
         engine.close()
 
 
-def test_a_moe_policy_trains_with_speculative_vllm_rollouts(tmp_path, vllm_engine_pool):
-    """Qwen3-MoE: the fused experts are synced and read back at every step, so every step rolls out speculatively, and
-    greedy rollouts after training are the trained policy's own."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_policies_train_with_speculative_vllm_rollouts(family, tmp_path, vllm_engine_pool):
+    """Qwen3-MoE and gpt-oss: the experts (and gpt-oss's attention sinks) are synced and read back at every step, so
+    every step rolls out speculatively, and greedy rollouts after training are the trained policy's own."""
     vllm_engine_pool.close()
-    policy_dir = save_tiny_target(tmp_path / "moe", "qwen3_moe", num_layers=8)
+    policy_dir = save_tiny_target(tmp_path / family, family, num_layers=8)
     trainer = _trainer(policy_dir, tmp_path, learning_rate=1e-2)
     engine = trainer.rollout_engine
     try:
@@ -132,10 +134,14 @@ def test_a_moe_policy_trains_with_speculative_vllm_rollouts(tmp_path, vllm_engin
         engine.close()
 
 
-def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engine_pool):
-    """vLLM lays gpt-oss out its own way: refused when the trainer is built, naming the family, the reason and what
-    works instead, not at every step's sync."""
+def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engine_pool, monkeypatch):
+    """A family whose names the sync does not map (here gpt-oss with its renames forgotten) is refused when the
+    trainer is built, naming the tensors and what works instead, not at every step's sync."""
     vllm_engine_pool.close()
+    monkeypatch.setattr(vllm_layout, "_FAMILIES", {})
     policy_dir = save_tiny_target(tmp_path / "gpt-oss", "gpt_oss", num_layers=8)
-    with pytest.raises(ValueError, match=r"gpt_oss policy's weights.*GptOssForCausalLM.*speculative_decoding=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine cannot take this gpt_oss policy's weights.*model\.embed_tokens\.weight.*speculative_decoding=False",
+    ):
         _trainer(policy_dir, tmp_path)

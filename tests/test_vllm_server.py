@@ -473,12 +473,13 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
 
 
 @pytest.mark.vllm
-def test_moe_policy_updates_are_checked_rolled_back_and_followed(vllm_engine_pool, tiny_target_dir, tmp_path):
-    """A Qwen3-MoE server of its own (no draft): a poisoned expert fails the readback and the rollback point (the
-    engine's readback through the CPU kernel's expert packing) restores the rollouts exactly; a good update in chunks
-    then makes greedy rollouts follow the updated policy."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_engine_pool, tiny_target_dir, tmp_path):
+    """A Qwen3-MoE or gpt-oss server of its own (no draft): a poisoned expert fails the readback and the rollback
+    point (the engine's readback through the CPU kernel's expert packing) restores the rollouts exactly; a good update
+    in chunks then makes greedy rollouts follow the updated policy."""
     vllm_engine_pool.close()
-    folder = tiny_target_dir("qwen3_moe")
+    folder = tiny_target_dir(family)
     model = AutoModelForCausalLM.from_pretrained(folder)
     prompts = tiny_prompts(folder)
     prompts = [prompts[0], prompts[-1]]
