@@ -4,6 +4,7 @@ Engines come from the session pool in conftest.py (one at a time). The tests tha
 weights put the originals back before they return, so the order of the tests does not matter.
 """
 
+import dataclasses
 import math
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from statistics_utils import exact_distribution, g_test
 
-from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_worker
+from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_layout, vllm_worker
 from hf_spec_cotrain.generation.vllm_cpu_repair import repair_expand_kernel
 
 
@@ -282,6 +283,32 @@ def test_policy_sync_other_families(vllm_engine_for, family):
         engine.sync_weights("policy", original.items())
     with pytest.raises(ValueError, match="no draft"):
         engine.sync_weights("draft", [])
+
+
+@pytest.mark.vllm
+def test_gpt_oss_tensors_that_vllms_reload_skips_are_loaded_past_it(vllm_engine_for, monkeypatch):
+    """vLLM's gpt-oss loader writes fused experts and attention sinks with plain copies, which its in-place reload
+    does not see: the engine sends the experts one by one and writes the sinks after the reload, and without that the
+    readback catches every one of them."""
+    handle = vllm_engine_for("gpt_oss")
+    engine = handle.engine
+    original = handle.hf_target().state_dict()
+    gpt_oss = vllm_layout._FAMILIES["GptOssForCausalLM"]
+    monkeypatch.setitem(
+        vllm_layout._FAMILIES, "GptOssForCausalLM", dataclasses.replace(gpt_oss, copied=(), streams_experts=False)
+    )
+    with pytest.raises(WeightSyncError, match=r"30 of \d+ policy parameters in vLLM differ") as error:
+        engine.sync_weights("policy", _perturbed(original, seed=6).items())
+    for skipped in (
+        "self_attn.sinks",
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.gate_up_proj_bias",
+        "mlp.experts.down_proj",
+    ):
+        assert f"model.layers.5.{skipped} (" in str(error.value)
+    monkeypatch.undo()
+    engine.sync_weights("policy", original.items())
+    assert handle.greedy() == handle.fresh_greedy
 
 
 @pytest.mark.vllm
