@@ -4,7 +4,8 @@ Every RL step changes the policy and the co-trained draft; both are pushed into 
 (no restart, no disk) and the next rollouts use speculative decoding with the fresh draft.
 
 How the weights get in (vLLM 0.31, CPU and GPU; the code that runs in vLLM's worker is in `vllm_worker`):
-* policy: the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`;
+* policy: the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, with CPU MoE layers
+  processed as at start-up and the tensors a reload would skip (gpt-oss) loaded past it (`vllm_worker`);
 * draft: the same layerwise-reload steps on the drafter model (`initialize_layerwise_reload`, the
   drafter's own `load_weights`, `finalize_layerwise_reload`), which is what vLLM's weight-transfer
   engines run for `start_draft_weight_update`.
