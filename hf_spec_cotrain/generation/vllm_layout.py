@@ -1,7 +1,8 @@
 """How a policy's or a draft's checkpoint tensors map onto a vLLM model's parameters, and the check of a whole set.
 
-vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, drops a tied lm_head and names the EAGLE-3 draft's
-tensors its own way; a sync is checked against the layout below before anything reaches vLLM. The layout itself
+vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, drops a tied lm_head, names MoE experts, some
+families' tensors (gpt-oss) and the EAGLE-3 draft's tensors its own way and transposes gpt-oss's experts; a sync is
+checked against the layout below before anything reaches vLLM. The layout itself
 is described inside vLLM's worker (`vllm_worker.describe_models`), but everything here is plain PyTorch, so it
 imports and is tested without vLLM.
 """
@@ -95,7 +96,7 @@ class PolicyNames:
         """The weights as vLLM's in-place reload takes them, and those it would skip, by vLLM name."""
         reloaded, copied = [], {}
         for name, tensor in weights:
-            vllm_name = self.to_vllm(name) or name
+            vllm_name = self.to_vllm(name) or name  # a tied lm_head goes as it is: vLLM's loader skips it
             if vllm_name.endswith(self.family.copied):
                 copied[vllm_name] = tensor
             elif self.family.streams_experts and ".mlp.experts.routed_experts." in vllm_name:
@@ -122,6 +123,7 @@ class DraftNames:
 
     @staticmethod
     def relayout(vllm_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """vLLM holds the draft's tensors as the checkpoint does."""
         return tensor
 
     @staticmethod

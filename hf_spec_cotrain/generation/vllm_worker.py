@@ -1,8 +1,9 @@
 """The parts of a weight sync that run inside vLLM's worker, called through `LLM.collective_rpc` (worker first).
 
 They describe the policy and draft models as `ModelLayout`s, load checkpoint tensors with vLLM's own loaders (so
-vLLM fuses, maps and re-packs them as it does at start-up), put a failed layerwise reload back on its previous
-kernels, and read weights back *through the kernels vLLM runs* to compare them with what was sent. vLLM is imported
+vLLM fuses, maps and re-packs them as it does at start-up, MoE experts on CPU included), load past the reload what
+it would skip, put a failed layerwise reload back on its previous kernels, and read weights back *through the
+kernels vLLM runs* to compare them with what was sent. vLLM is imported
 inside each function, when it runs in the worker.
 """
 
