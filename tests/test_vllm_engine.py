@@ -65,6 +65,21 @@ def test_spec_decode_stats_difference_and_acceptance_length():
     assert math.isnan(SpecDecodeStats().acceptance_length) and math.isnan(SpecDecodeStats().acceptance_rate)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unpacking_undoes_any_reordering_exactly_and_refuses_anything_else(dtype):
+    """The readback of CPU-prepacked MoE experts learns the packing from packed indices, which must survive every
+    float dtype (base-256 digits) and cover tensors of more than 256**2 elements."""
+    weights = torch.randn(2, 300, 130).to(dtype)
+    order = torch.randperm(weights.numel(), generator=torch.Generator().manual_seed(0))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.flatten()[order].view(tensor.shape)
+
+    assert torch.equal(vllm_worker._unpack(pack(weights), pack), weights)
+    with pytest.raises(RuntimeError, match="not a reordering"):
+        vllm_worker._unpack(weights, torch.zeros_like)
+
+
 # ------------------------------------------------------------------------------------------- engine: Llama + draft
 
 
