@@ -3,8 +3,10 @@
 import pytest
 import torch
 from datasets import Dataset
+from vllm_test_utils import hf_greedy
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
+from hf_spec_cotrain.generation import vllm_layout
 from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
 
 
@@ -39,6 +41,19 @@ def _trainer(policy_dir, tmp_path, **overrides) -> SpecCoTrainGRPOTrainer:
     )
 
 
+def _sync_and_verify(trainer: SpecCoTrainGRPOTrainer) -> list[list[int]]:
+    """A rollout after the last updates syncs them; the engine then holds exactly the trainer's weights. Returns the
+    rollout's prompts."""
+    tokenizer = trainer.processing_class
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
+    trainer.state.global_step += 1
+    trainer.rollouts.vllm_turn(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
+    with trainer.rollouts.policy_weights() as weights:
+        trainer.rollout_engine.verify_weights("policy", weights)
+    trainer.rollout_engine.verify_weights("draft", trainer.draft.state_dict().items())
+    return prompt_ids
+
+
 def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool, tiny_policy_dir):
     vllm_engine_pool.close()  # one engine at a time: the trainer builds its own
     trainer = _trainer(tiny_policy_dir, tmp_path, draft_learning_rate=1e-3, draft_warmup_steps=0, learning_rate=1e-3)
@@ -50,14 +65,8 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
         assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
 
-        # A rollout after the last updates syncs them; the engine then holds exactly the trainer's weights.
         tokenizer = trainer.processing_class
-        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
-        trainer.state.global_step += 1
-        trainer.rollouts.vllm_turn(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
-        with trainer.rollouts.policy_weights() as weights:
-            engine.verify_weights("policy", weights)
-        engine.verify_weights("draft", trainer.draft.state_dict().items())
+        prompt_ids = _sync_and_verify(trainer)
 
         # Same draft, same prompts, greedy: vLLM accepts exactly what the HF-native generator accepts.
         vllm_out = engine.generate(prompt_ids, max_tokens=12, temperature=0.0)
@@ -101,10 +110,38 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
         engine.close()
 
 
-def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engine_pool):
-    """Qwen3-MoE's fused expert tensors have no counterpart in vLLM's layout yet: refused when the trainer is built
-    (naming the tensors and the path that serves the family), not at every step's sync."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_policies_train_with_speculative_vllm_rollouts(family, tmp_path, vllm_engine_pool):
+    """Qwen3-MoE and gpt-oss: the experts (and gpt-oss's attention sinks) are synced and read back at every step, so
+    every step rolls out speculatively, and greedy rollouts after training are the trained policy's own."""
     vllm_engine_pool.close()
-    policy_dir = save_tiny_target(tmp_path / "moe", "qwen3_moe", num_layers=8)
-    with pytest.raises(ValueError, match=r"qwen3_moe policy's weights.*experts\.gate_up_proj.*use_vllm=False"):
+    policy_dir = save_tiny_target(tmp_path / family, family, num_layers=8)
+    trainer = _trainer(policy_dir, tmp_path, learning_rate=1e-2)
+    engine = trainer.rollout_engine
+    try:
+        initial = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
+        assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
+        gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+        assert not torch.equal(trainer.model.state_dict()[gate_up], initial[gate_up])
+
+        prompt_ids = _sync_and_verify(trainer)
+        vllm_out = engine.generate(prompt_ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+        policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+        assert vllm_out.completion_ids == hf_greedy(policy, prompt_ids, 12)
+    finally:
+        engine.close()
+
+
+def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engine_pool, monkeypatch):
+    """A family whose names the sync does not map (here gpt-oss with its renames forgotten) is refused when the
+    trainer is built, naming the tensors and what works instead, not at every step's sync."""
+    vllm_engine_pool.close()
+    monkeypatch.setattr(vllm_layout, "_FAMILIES", {})
+    policy_dir = save_tiny_target(tmp_path / "gpt-oss", "gpt_oss", num_layers=8)
+    with pytest.raises(
+        ValueError,
+        match=r"engine cannot take this gpt_oss policy's weights.*model\.embed_tokens\.weight.*speculative_decoding=False",
+    ):
         _trainer(policy_dir, tmp_path)

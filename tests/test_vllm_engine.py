@@ -4,6 +4,7 @@ Engines come from the session pool in conftest.py (one at a time). The tests tha
 weights put the originals back before they return, so the order of the tests does not matter.
 """
 
+import dataclasses
 import math
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from statistics_utils import exact_distribution, g_test
 
-from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_worker
+from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_layout, vllm_worker
 from hf_spec_cotrain.generation.vllm_cpu_repair import repair_expand_kernel
 
 
@@ -62,6 +63,21 @@ def test_spec_decode_stats_difference_and_acceptance_length():
     assert delta.acceptance_length == pytest.approx(1 + 6 / 5)
     assert delta.acceptance_rate == pytest.approx(6 / 15)
     assert math.isnan(SpecDecodeStats().acceptance_length) and math.isnan(SpecDecodeStats().acceptance_rate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unpacking_undoes_any_reordering_exactly_and_refuses_anything_else(dtype):
+    """The readback of CPU-prepacked MoE experts learns the packing from packed indices, which must survive every
+    float dtype (base-256 digits) and cover tensors of more than 256**2 elements."""
+    weights = torch.randn(2, 300, 130).to(dtype)
+    order = torch.randperm(weights.numel(), generator=torch.Generator().manual_seed(0))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.flatten()[order].view(tensor.shape)
+
+    assert torch.equal(vllm_worker._unpack(pack(weights), pack), weights)
+    with pytest.raises(RuntimeError, match="not a reordering"):
+        vllm_worker._unpack(weights, torch.zeros_like)
 
 
 # ------------------------------------------------------------------------------------------- engine: Llama + draft
@@ -262,7 +278,7 @@ def test_full_vocab_draft_with_probabilistic_drafting(vllm_engine_full_vocab, ti
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"])
 def test_policy_sync_other_families(vllm_engine_for, family):
     handle = vllm_engine_for(family)
     engine = handle.engine
@@ -274,11 +290,63 @@ def test_policy_sync_other_families(vllm_engine_for, family):
     model.load_state_dict(perturbed)
     try:
         engine.sync_weights("policy", perturbed.items())
+        read_back = engine.read_weights("policy")
+        assert set(perturbed) - set(read_back) <= {"lm_head.weight"}  # a tied lm_head is the embedding
+        assert all(torch.equal(tensor, perturbed[name]) for name, tensor in read_back.items())
         assert handle.greedy().completion_ids == handle.hf_greedy(model)
     finally:
         engine.sync_weights("policy", original.items())
     with pytest.raises(ValueError, match="no draft"):
         engine.sync_weights("draft", [])
+
+
+@pytest.mark.vllm
+def test_gpt_oss_tensors_that_vllms_reload_skips_are_loaded_past_it(vllm_engine_for, monkeypatch):
+    """vLLM's gpt-oss loader writes fused experts and attention sinks with plain copies, which its in-place reload
+    does not see: the engine sends the experts one by one and writes the sinks after the reload, and without that the
+    readback catches every one of them."""
+    handle = vllm_engine_for("gpt_oss")
+    engine = handle.engine
+    original = handle.hf_target().state_dict()
+    gpt_oss = vllm_layout._FAMILIES["GptOssForCausalLM"]
+    monkeypatch.setitem(
+        vllm_layout._FAMILIES, "GptOssForCausalLM", dataclasses.replace(gpt_oss, copied=(), streams_experts=False)
+    )
+    with pytest.raises(WeightSyncError, match=r"30 of \d+ policy parameters in vLLM differ") as error:
+        engine.sync_weights("policy", _perturbed(original, seed=6).items())
+    for skipped in (
+        "self_attn.sinks",
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.gate_up_proj_bias",
+        "mlp.experts.down_proj",
+    ):
+        assert f"model.layers.5.{skipped} (" in str(error.value)
+    monkeypatch.undo()
+    engine.sync_weights("policy", original.items())
+    assert handle.greedy() == handle.fresh_greedy
+
+
+@pytest.mark.vllm
+def test_moe_experts_are_read_back_through_the_cpu_kernels_packing(vllm_engine_for, monkeypatch):
+    """vLLM-CPU prepacks the experts' w13/w2 for its grouped gemm, and its weight-update path skips that step: the
+    engine re-processes MoE layers as at start-up, and the readback (which unpacks) catches it when that is skipped."""
+    handle = vllm_engine_for("qwen3_moe")
+    engine = handle.engine
+    original = handle.hf_target().state_dict()
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    kernel_storage = engine.llm.collective_rpc(
+        lambda worker: worker.get_model().get_parameter("model.layers.0.mlp.experts.routed_experts.w13_weight").clone()
+    )[0]
+    assert kernel_storage.shape == original[gate_up].shape and not torch.equal(kernel_storage, original[gate_up])
+    assert torch.equal(engine.read_weights("policy")[gate_up], original[gate_up])
+
+    monkeypatch.setattr(vllm_worker, "_process_moe_updates_as_first_loads", lambda model: None)
+    perturbed = _perturbed(original, seed=4)
+    with pytest.raises(WeightSyncError, match=r"12 of \d+ policy parameters in vLLM differ.*experts.gate_up_proj \("):
+        engine.sync_weights("policy", perturbed.items())
+    monkeypatch.undo()
+    engine.sync_weights("policy", original.items())
+    assert handle.greedy() == handle.fresh_greedy
 
 
 # ------------------------------------------------------------------------------------------- engine: sampling law

@@ -133,3 +133,67 @@ def test_partial_set_keeps_only_complete_parameters_and_still_refuses_bad_tensor
         with pytest.raises(ValueError) as error:
             layout.fuse_and_check([*chunk, bad], names=DraftNames(), what="draft", complete=False)
         assert problem in str(error.value) and "missing" not in str(error.value)
+
+
+def test_fused_moe_experts_map_to_vllms_routed_experts_and_back():
+    names = PolicyNames(tie_word_embeddings=False)
+    for checkpoint_name, vllm_name in (
+        ("model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.routed_experts.w13_weight"),
+        ("model.layers.3.mlp.experts.down_proj", "model.layers.3.mlp.experts.routed_experts.w2_weight"),
+    ):
+        assert names.to_vllm(checkpoint_name) == vllm_name
+        assert names.to_checkpoint(vllm_name) == checkpoint_name
+    # A dense MLP's names are vLLM's own.
+    assert names.to_vllm("model.layers.3.mlp.down_proj.weight") == "model.layers.3.mlp.down_proj.weight"
+
+
+def test_gpt_oss_names_layouts_and_the_tensors_vllms_reload_would_skip():
+    names = PolicyNames(tie_word_embeddings=False, architecture="GptOssForCausalLM")
+    for checkpoint_name, vllm_name in (
+        ("model.embed_tokens.weight", "model.embedding.weight"),
+        ("model.layers.1.self_attn.sinks", "model.layers.1.attn.sinks"),
+        ("model.layers.1.self_attn.q_proj.bias", "model.layers.1.attn.q_proj.bias"),
+        ("model.layers.1.mlp.router.weight", "model.layers.1.mlp.router.weight"),
+        ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.routed_experts.w13_weight"),
+        ("model.layers.1.mlp.experts.gate_up_proj_bias", "model.layers.1.mlp.experts.routed_experts.w13_bias"),
+        ("model.layers.1.mlp.experts.down_proj_bias", "model.layers.1.mlp.experts.routed_experts.w2_bias"),
+    ):
+        assert names.to_vllm(checkpoint_name) == vllm_name
+        assert names.to_checkpoint(vllm_name) == checkpoint_name
+    gate_up, bias, sinks = torch.randn(2, 4, 6), torch.randn(2, 6), torch.randn(3)
+    assert torch.equal(names.relayout("model.layers.1.mlp.experts.routed_experts.w13_weight", gate_up), gate_up.mT)
+    assert names.relayout("model.layers.1.mlp.experts.routed_experts.w13_bias", bias) is bias
+    # vLLM's layout of the experts, checked in the checkpoint's terms.
+    layout = ModelLayout(
+        params={"model.layers.1.mlp.experts.routed_experts.w13_weight": ParamShape((2, 6, 4))},
+        packed_modules={},
+        tie_word_embeddings=False,
+        architecture="GptOssForCausalLM",
+    )
+    expected = layout.fuse_and_check(
+        [("model.layers.1.mlp.experts.gate_up_proj", gate_up)], names=names, what="policy"
+    )
+    assert torch.equal(expected["model.layers.1.mlp.experts.routed_experts.w13_weight"], gate_up.mT)
+    with pytest.raises(ValueError, match=r"gate_up_proj has shape \[2, 6, 4\], vLLM expects \[2, 4, 6\]"):
+        layout.fuse_and_check([("model.layers.1.mlp.experts.gate_up_proj", gate_up.mT)], names=names, what="policy")
+
+    reloaded, copied = names.for_loader(
+        [
+            ("model.layers.1.self_attn.sinks", sinks),
+            ("model.layers.1.mlp.experts.gate_up_proj", gate_up),
+            ("model.layers.1.mlp.experts.gate_up_proj_bias", bias),
+            ("model.norm.weight", sinks),
+        ]
+    )
+    assert copied == {"model.layers.1.attn.sinks": sinks}
+    assert [name for name, _ in reloaded] == [
+        "model.layers.1.mlp.experts.0.w13_weight",
+        "model.layers.1.mlp.experts.1.w13_weight",
+        "model.layers.1.mlp.experts.0.w13_bias",
+        "model.layers.1.mlp.experts.1.w13_bias",
+        "model.norm.weight",
+    ]
+    assert torch.equal(reloaded[1][1], gate_up[1]) and torch.equal(reloaded[3][1], bias[1])
+    # Other families reload everything under HF's names.
+    qwen3_moe = [("model.layers.1.mlp.experts.gate_up_proj", gate_up)]
+    assert PolicyNames(tie_word_embeddings=False).for_loader(qwen3_moe) == (qwen3_moe, {})

@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,21 +162,18 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory) -> ServerHandle:
-    vllm_engine_pool.close()  # one vLLM engine at a time: the pool's in-process engine goes first
+@contextmanager
+def _serving(model_dir: Path, log_dir: Path, *, draft_dir: Path | None = None) -> Iterator[VLLMServerClient]:
+    """`hf-spec-cotrain vllm-serve` for a model folder (and a draft), through the real console command; stopped at
+    the end."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    log_path = log_dir / "server.log"
     executable = Path(sys.executable).with_name("hf-spec-cotrain")
     command = [str(executable)] if executable.exists() else [sys.executable, "-m", "hf_spec_cotrain.cli"]
+    command += ["vllm-serve", "--model", str(model_dir)]
+    if draft_dir is not None:
+        command += ["--draft", str(draft_dir), "--num_speculative_tokens", "3"]
     command += [
-        "vllm-serve",
-        "--model",
-        str(tiny_llama_dir),
-        "--draft",
-        str(tiny_llama_drafts.folders["reduced", "a"]),
-        "--num_speculative_tokens",
-        "3",
         "--host",
         "127.0.0.1",
         "--port",
@@ -204,11 +203,19 @@ def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory
                 if time.monotonic() > deadline:
                     pytest.fail(f"vllm-serve not ready in {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
                 time.sleep(0.5)
+        yield client
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory) -> Iterator[ServerHandle]:
+    vllm_engine_pool.close()  # one vLLM engine at a time: the pool's in-process engine goes first
+    log_dir = tmp_path_factory.mktemp("vllm-serve")
+    with _serving(tiny_llama_dir, log_dir, draft_dir=tiny_llama_drafts.folders["reduced", "a"]) as client:
         drafts = {name: tiny_llama_drafts.state_dicts["reduced", name] for name in ("a", "b")}
         prompts = tiny_prompts(tiny_llama_dir)
         yield ServerHandle(client=client, target_dir=tiny_llama_dir, drafts=drafts, prompts=[prompts[0], prompts[-1]])
-    finally:
-        _stop(process)
 
 
 @pytest.mark.vllm
@@ -463,3 +470,33 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
             "policy", AutoModelForCausalLM.from_pretrained(server.target_dir).state_dict().items()
         )
         server.client.sync_weights("draft", server.drafts["a"].items())
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_engine_pool, tiny_target_dir, tmp_path):
+    """A Qwen3-MoE or gpt-oss server of its own (no draft): a poisoned expert fails the readback and the rollback
+    point (the engine's readback through the CPU kernel's expert packing) restores the rollouts exactly; a good update
+    in chunks then makes greedy rollouts follow the updated policy."""
+    vllm_engine_pool.close()
+    folder = tiny_target_dir(family)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompts = tiny_prompts(folder)
+    prompts = [prompts[0], prompts[-1]]
+    perturbed = _perturbed(model.state_dict(), seed=11)
+    poisoned = {name: tensor.clone() for name, tensor in perturbed.items()}
+    poisoned["model.layers.1.mlp.experts.gate_up_proj"][2, 5, 7] = float("nan")
+    with _serving(folder, tmp_path) as client:
+
+        def greedy() -> list[list[int]]:
+            return client.generate(prompts, max_tokens=ROLLOUT_TOKENS, temperature=0.0, ignore_eos=True).completion_ids
+
+        fresh = greedy()
+        assert fresh == hf_greedy(model, prompts, ROLLOUT_TOKENS)
+        with pytest.raises(VLLMServerError, match=r"HTTP 500: .*model.layers.1.mlp.experts.gate_up_proj \(1 of"):
+            client.sync_weights("policy", poisoned.items())
+        assert greedy() == fresh
+        update = client.sync_weights("policy", perturbed.items(), chunk_bytes=200_000)
+        assert update.num_chunks > 3
+        model.load_state_dict(perturbed)
+        assert greedy() == hf_greedy(model, prompts, ROLLOUT_TOKENS) != fresh

@@ -4,7 +4,8 @@ Every RL step changes the policy and the co-trained draft; both are pushed into 
 (no restart, no disk) and the next rollouts use speculative decoding with the fresh draft.
 
 How the weights get in (vLLM 0.31, CPU and GPU; the code that runs in vLLM's worker is in `vllm_worker`):
-* policy: the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`;
+* policy: the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, with CPU MoE layers
+  processed as at start-up and the tensors a reload would skip (gpt-oss) loaded past it (`vllm_worker`);
 * draft: the same layerwise-reload steps on the drafter model (`initialize_layerwise_reload`, the
   drafter's own `load_weights`, `finalize_layerwise_reload`), which is what vLLM's weight-transfer
   engines run for `start_draft_weight_update`.
@@ -333,7 +334,7 @@ class VLLMRolloutEngine:
             checkpoint_names = layout.checkpoint_names(vllm_name, names)
             part_shapes = layout.params[vllm_name].part_shapes or [tensor.shape]
             parts = tensor.split([shape[0] for shape in part_shapes]) if len(checkpoint_names) > 1 else [tensor]
-            weights.update(zip(checkpoint_names, parts))
+            weights.update(zip(checkpoint_names, (names.relayout(vllm_name, part).contiguous() for part in parts)))
         return weights
 
     def verify_weights(self, which: WeightSet, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -349,7 +350,8 @@ class VLLMRolloutEngine:
     def _names(self, which: WeightSet) -> PolicyNames | DraftNames:
         if which == "draft":
             return DraftNames()
-        return PolicyNames(tie_word_embeddings=self._layouts["policy"].tie_word_embeddings)
+        layout = self._layouts["policy"]
+        return PolicyNames(tie_word_embeddings=layout.tie_word_embeddings, architecture=layout.architecture)
 
     def _to_engine_layout(self, which: WeightSet, weights: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return self._layouts[which].fuse_and_check(weights, names=self._names(which), what=which)

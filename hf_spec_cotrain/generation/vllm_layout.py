@@ -1,11 +1,13 @@
 """How a policy's or a draft's checkpoint tensors map onto a vLLM model's parameters, and the check of a whole set.
 
-vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, drops a tied lm_head and names the EAGLE-3 draft's
-tensors its own way; a sync is checked against the layout below before anything reaches vLLM. The layout itself
+vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, drops a tied lm_head, names MoE experts, some
+families' tensors (gpt-oss) and the EAGLE-3 draft's tensors its own way and transposes gpt-oss's experts; a sync is
+checked against the layout below before anything reaches vLLM. The layout itself
 is described inside vLLM's worker (`vllm_worker.describe_models`), but everything here is plain PyTorch, so it
 imports and is tested without vLLM.
 """
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,20 +16,95 @@ import torch
 __all__ = ["DraftNames", "ModelLayout", "ParamShape", "PolicyNames"]
 
 
-class PolicyNames:
-    """HF names are vLLM's for the supported families (Llama, Qwen2, Qwen3) apart from the fusions."""
+# vLLM's fused-MoE layer holds the experts that transformers keeps fused in memory (`gate_up_proj`, `down_proj`)
+# under its own names; its loader takes the HF names.
+_EXPERTS = (
+    (".mlp.experts.gate_up_proj", ".mlp.experts.routed_experts.w13_weight"),
+    (".mlp.experts.down_proj", ".mlp.experts.routed_experts.w2_weight"),
+)
 
-    def __init__(self, *, tie_word_embeddings: bool):
+
+@dataclass(frozen=True)
+class _PolicyFamily:
+    """How a vLLM model's policy parameters differ from transformers' in-memory tensors."""
+
+    # (HF piece, vLLM piece) of names, replaced in this order.
+    renames: tuple[tuple[str, str], ...] = _EXPERTS
+    # Endings of vLLM names held as the HF tensor transposed (last two dimensions).
+    transposed: tuple[str, ...] = ()
+    # Endings of vLLM names that vLLM's loader writes with a plain copy, past the weight loaders that its in-place
+    # reload hooks: a reload would keep the old values, so they are written after it.
+    copied: tuple[str, ...] = ()
+    # vLLM's loader copies fused experts straight into the parameters too, but takes one expert at a time under
+    # vLLM's names (`...mlp.experts.{e}.w13_weight`, "streamed" experts) through the weight loaders.
+    streams_experts: bool = False
+
+
+# Qwen3-MoE's experts are vLLM's w13 [E, 2I, H] (gate rows first) and w2 [E, H, I] as they are; gpt-oss's are
+# transposed (gate and up columns interleaved, which vLLM keeps), with biases, and gpt-oss renames more.
+_FAMILIES = {
+    "GptOssForCausalLM": _PolicyFamily(
+        renames=(
+            ("model.embed_tokens.", "model.embedding."),
+            (".self_attn.", ".attn."),
+            (".mlp.experts.gate_up_proj_bias", ".mlp.experts.routed_experts.w13_bias"),
+            (".mlp.experts.down_proj_bias", ".mlp.experts.routed_experts.w2_bias"),
+            *_EXPERTS,
+        ),
+        transposed=(".w13_weight", ".w2_weight"),
+        copied=(".attn.sinks",),
+        streams_experts=True,
+    ),
+}
+
+
+def _replaced(name: str, pairs: Iterable[tuple[str, str]]) -> str:
+    for old, new in pairs:
+        name = name.replace(old, new)
+    return name
+
+
+class PolicyNames:
+    """HF in-memory names and layouts as vLLM's: the same apart from the fusions for Llama, Qwen2, Qwen3 and Mistral;
+    renamed experts for Qwen3-MoE; renames, transposed experts and tensors written past vLLM's reload for gpt-oss.
+
+    Args:
+        tie_word_embeddings: the policy's lm_head is its embedding.
+        architecture: vLLM's model class (`ModelLayout.architecture`), which picks the family's differences.
+    """
+
+    def __init__(self, *, tie_word_embeddings: bool, architecture: str = ""):
         self.tie_word_embeddings = tie_word_embeddings
+        self.family = _FAMILIES.get(architecture, _PolicyFamily())
 
     def to_vllm(self, name: str) -> str | None:
         # A tied lm_head is the embedding: vLLM has no parameter for it and its loader skips it.
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
-        return name
+        return _replaced(name, self.family.renames)
 
     def to_checkpoint(self, vllm_name: str) -> str:
-        return vllm_name
+        return _replaced(vllm_name, ((new, old) for old, new in reversed(self.family.renames)))
+
+    def relayout(self, vllm_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor in the other layout, HF's or vLLM's (a transpose, its own inverse, or nothing)."""
+        return tensor.transpose(-2, -1) if vllm_name.endswith(self.family.transposed) else tensor
+
+    def for_loader(
+        self, weights: list[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The weights as vLLM's in-place reload takes them, and those it would skip, by vLLM name."""
+        reloaded, copied = [], {}
+        for name, tensor in weights:
+            vllm_name = self.to_vllm(name) or name  # a tied lm_head goes as it is: vLLM's loader skips it
+            if vllm_name.endswith(self.family.copied):
+                copied[vllm_name] = tensor
+            elif self.family.streams_experts and ".mlp.experts.routed_experts." in vllm_name:
+                layer, _, leaf = vllm_name.partition(".mlp.experts.routed_experts.")
+                reloaded.extend((f"{layer}.mlp.experts.{e}.{leaf}", expert) for e, expert in enumerate(tensor))
+            else:
+                reloaded.append((name, tensor))
+        return reloaded, copied
 
 
 class DraftNames:
@@ -45,12 +122,22 @@ class DraftNames:
         return "model." + name.replace("midlayer.", "layers.0.", 1)
 
     @staticmethod
+    def relayout(vllm_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """vLLM holds the draft's tensors as the checkpoint does."""
+        return tensor
+
+    @staticmethod
     def to_checkpoint(vllm_name: str) -> str:
         if vllm_name == "draft_id_to_target_id":
             return "d2t"
         if vllm_name.startswith("lm_head."):
             return vllm_name
         return vllm_name.removeprefix("model.").replace("layers.0.", "midlayer.", 1)
+
+
+def _hf_shape(names: PolicyNames | DraftNames, vllm_name: str, shape: Sequence[int]) -> list[int]:
+    """A shape in vLLM's layout as the checkpoint tensor has it, for messages."""
+    return list(names.relayout(vllm_name, torch.empty(tuple(shape), device="meta")).shape)
 
 
 @dataclass
@@ -69,6 +156,8 @@ class ModelLayout:
     params: dict[str, ParamShape]
     packed_modules: dict[str, list[str]]
     tie_word_embeddings: bool
+    # vLLM's model class, which tells a policy's names and layouts (`PolicyNames`).
+    architecture: str = ""
 
     def _split(self, vllm_name: str) -> tuple[str, str, str]:
         module_path, _, leaf = vllm_name.rpartition(".")
@@ -116,7 +205,7 @@ class ModelLayout:
             elif index in sources.setdefault(vllm_name, {}):
                 duplicated.append(name)
             else:
-                sources[vllm_name][index] = (name, tensor)
+                sources[vllm_name][index] = (name, names.relayout(vllm_name, tensor))
 
         problems = []
         if unknown:
@@ -142,7 +231,8 @@ class ModelLayout:
             spec = self.params[vllm_name]
             part_shapes = spec.part_shapes or [spec.shape]
             wrong = [
-                f"{name} has shape {list(tensor.shape)}, vLLM expects {list(part_shapes[index])}"
+                f"{name} has shape {_hf_shape(names, vllm_name, tensor.shape)}, "
+                f"vLLM expects {_hf_shape(names, vllm_name, part_shapes[index])}"
                 for index, (name, tensor) in sorted(parts.items())
                 if tuple(tensor.shape) != part_shapes[index]
             ]

@@ -1,17 +1,18 @@
 """The parts of a weight sync that run inside vLLM's worker, called through `LLM.collective_rpc` (worker first).
 
 They describe the policy and draft models as `ModelLayout`s, load checkpoint tensors with vLLM's own loaders (so
-vLLM fuses, maps and re-packs them as it does at start-up), put a failed layerwise reload back on its previous
-kernels, and read weights back *through the kernels vLLM runs* to compare them with what was sent. vLLM is imported
+vLLM fuses, maps and re-packs them as it does at start-up, MoE experts on CPU included), load past the reload what
+it would skip, put a failed layerwise reload back on its previous kernels, and read weights back *through the
+kernels vLLM runs* to compare them with what was sent. vLLM is imported
 inside each function, when it runs in the worker.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from .engine import WeightSet
-from .vllm_layout import ModelLayout, ParamShape
+from .vllm_layout import ModelLayout, ParamShape, PolicyNames
 
 
 __all__ = ["describe_models", "find_mismatches", "load_draft_weights", "load_policy_weights", "read_params"]
@@ -53,6 +54,7 @@ def _describe(model: torch.nn.Module, *, exclude: set[int]) -> ModelLayout:
         params=params,
         packed_modules={key: list(value) for key, value in getattr(model, "packed_modules_mapping", {}).items()},
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        architecture=type(model).__name__,
     )
 
 
@@ -87,13 +89,43 @@ def _abort_layerwise_reload(model: torch.nn.Module) -> None:
     layerwise.LOADING_LAYERS.clear()
 
 
+def _cpu_moe_experts(module: torch.nn.Module):
+    """The CPU grouped-gemm experts kernel of a fused-MoE layer, or None: it keeps its weights prepacked."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return experts if isinstance(experts, CPUUnquantizedExperts) else None
+
+
+def _process_moe_updates_as_first_loads(model: torch.nn.Module) -> None:
+    """Make the reload of each CPU fused-MoE layer rebuild its kernel, as the first load did.
+
+    On a weight update vLLM's `UnquantizedFusedMoEMethod._setup_kernel` skips the experts kernel's own
+    post-load step, which on CPU is the prepacking of w13/w2: the update would copy unpacked weights
+    into the packed storage and the kernel would read garbage. Without a kernel the layer is processed
+    as at start-up (padding and prepacking included) and the result copied into the same storage.
+    """
+    for module in model.modules():
+        if _cpu_moe_experts(module) is not None:
+            module.quant_method.moe_kernel = None
+
+
+@torch.no_grad()
 def load_policy_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Reload every policy weight from HF-named tensors with vLLM's own loader and kernel post-processing."""
+    """Reload every policy weight from HF-named tensors with vLLM's own loader and kernel post-processing, then
+    write in place those that the reload would skip (`PolicyNames.for_loader`)."""
+    model = worker.get_model()
+    # vLLM's loader skips a tied lm_head itself: tying changes nothing here.
+    reloaded, copied = PolicyNames(tie_word_embeddings=False, architecture=type(model).__name__).for_loader(weights)
+    _process_moe_updates_as_first_loads(model)
     try:
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        worker.reload_weights(weights_iterator=iter(reloaded), is_checkpoint_format=True)
     except Exception:
-        _abort_layerwise_reload(worker.get_model())
+        _abort_layerwise_reload(model)
         raise
+    for name, tensor in copied.items():
+        model.get_parameter(name).copy_(tensor)
 
 
 def load_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -113,13 +145,36 @@ def load_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
 
 
 @torch.no_grad()
+def _unpack(packed: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Undo `pack`, a reordering of a tensor's elements, by packing the elements' own indices.
+
+    The indices go through `pack` as base-256 digits, which every floating dtype holds exactly.
+    """
+    numel = packed.numel()
+    index = torch.arange(numel, device=packed.device)
+    origin = torch.zeros_like(index)
+    scale = 1
+    while scale < numel:
+        digits = torch.div(index, scale, rounding_mode="floor").remainder(256).to(packed.dtype)
+        origin += pack(digits.view(packed.shape)).flatten().long() * scale
+        scale *= 256
+    if not torch.zeros(numel, dtype=torch.bool, device=packed.device).index_fill_(0, origin, True).all():
+        raise RuntimeError("The MoE kernel's weight packing is not a reordering: its weights cannot be read back.")
+    unpacked = torch.empty_like(packed).flatten()
+    unpacked[origin] = packed.flatten()
+    return unpacked.view(packed.shape)
+
+
+@torch.no_grad()
 def _read_weight(module: torch.nn.Module, leaf: str, param: torch.Tensor, spec: ParamShape) -> torch.Tensor:
     """The parameter as the kernels use it, in its logical shape.
 
     A linear weight whose storage the kernel does not read directly (the CPU backend packs it into
     a oneDNN or sgl handle and keeps an empty or stale `weight`) is read by applying the layer to
-    the identity: `apply(I) = I @ W.T`.
+    the identity: `apply(I) = I @ W.T`. The CPU MoE kernel's prepacked expert weights are unpacked
+    (`_unpack`) with that kernel's packing, and its expert biases read from the kernel.
     """
+    from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -133,6 +188,12 @@ def _read_weight(module: torch.nn.Module, leaf: str, param: torch.Tensor, spec: 
             probe[:, start:stop].fill_diagonal_(1)
             transposed[start:stop] = module.quant_method.apply(module, probe, bias=None)[:, :rows]
         return transposed.T
+    experts = _cpu_moe_experts(module)
+    if experts is not None and leaf in ("w13_weight", "w2_weight") and not experts._use_zentorch:
+        return _unpack(param, lambda tensor: cpu_prepack_moe_weight(tensor, experts.isa))
+    if experts is not None and leaf in ("w13_bias", "w2_bias"):
+        # The kernel holds the biases of the layer as it was processed, which a reload does not register.
+        return experts.w1_bias if leaf == "w13_bias" else experts.w2_bias
     return param[: spec.shape[0]] if param.shape != spec.shape else param
 
 
