@@ -662,7 +662,9 @@ def check_speculative_target(config) -> None:
         raise ValueError(
             f"This {text_config.model_type} target has linear_attention layers, which speculative_generate cannot "
             "verify: their recurrent state would keep the rejected draft tokens, having no cache slots to mask. "
-            "vLLM serves this family with an EAGLE-3 draft."
+            "vLLM serves such families with an EAGLE-3 draft on GPU, but this package's vLLM weight sync does not map "
+            "linear-attention tensors yet (and vLLM-CPU does not run them): no speculative rollout path of "
+            "hf_spec_cotrain serves this family yet."
         )
     other = sorted(layer_types - set(_ATTENTION_LAYER_TYPES))
     if other:
