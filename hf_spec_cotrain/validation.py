@@ -4,6 +4,10 @@ with the same message. A leaf module: it imports nothing from the package."""
 import torch
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The decoder layer types that attend over a KV cache (a window or not), as transformers' `layer_types` name them."""
+
+
 def check_int(value, name: str, *, minimum: int = 1, below: int | None = None, hint: str = "") -> int:
     """`value` if it is an int (a bool is not) in `[minimum, below)`; else a ValueError naming `name` and the range.
 
@@ -70,3 +74,13 @@ def contiguous_row_spans(mask: torch.Tensor, *, fix: str) -> tuple[torch.Tensor,
             f"Some rows have real tokens that are not contiguous (a masked token between two real ones); {fix}"
         )
     return first, lengths
+
+
+def layer_types(text_config) -> list[str]:
+    """Each decoder layer's type (`"full_attention"`, `"sliding_attention"`, `"linear_attention"`, ...); a window
+    without layer types is every layer's (Mistral's configs)."""
+    types = getattr(text_config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    default = "sliding_attention" if getattr(text_config, "sliding_window", None) is not None else "full_attention"
+    return [default] * text_config.num_hidden_layers

@@ -1,11 +1,12 @@
 """`ParallelDims` in one process: the sizes, the checks against the world size, the data-parallel degree, and the
-run-time facts the trainer adds to the config's checks. The group building is in
+run-time facts the trainer adds to the config's checks, and the policies each parallelism refuses at start. The group building is in
 tests/distributed/test_parallel_dims_groups.py."""
 
 import pytest
 
 from hf_spec_cotrain import SpecCoTrainConfig
 from hf_spec_cotrain.parallel import ParallelDims
+from hf_spec_cotrain.testing import build_tiny_target
 
 
 def test_sizes_default_to_plain_data_parallelism():
@@ -79,3 +80,62 @@ def test_from_config_adds_the_run_time_facts(tmp_path):
         ParallelDims.from_config(pp, world_size=2, tools=True)
     # Facts that only matter to a parallelism the run does not use are not errors.
     assert ParallelDims.from_config(_config(tmp_path), world_size=3, peft=True, tools=True, fsdp=True).dp == 3
+
+
+CP, PP = ParallelDims(context_parallel_size=2), ParallelDims(pipeline_parallel_size=2)
+
+
+def _policy(family, **kwargs):
+    return build_tiny_target(
+        family,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
+def test_both_parallelisms_take_the_full_attention_families_dense_or_moe(family):
+    policy = _policy(family)
+    CP.check_policy(policy)
+    PP.check_policy(policy)
+
+
+@pytest.mark.parametrize(
+    "family, window, reasons",
+    [
+        ("gpt_oss", None, ["sliding_attention layers (window 16)", "attention sinks (`self_attn.sinks`)"]),
+        ("mistral", 5, ["sliding_attention layers (window 5)"]),
+        ("qwen3", 8, ["sliding_attention layers (window 8)"]),
+    ],
+)
+def test_context_parallelism_refuses_windows_and_sinks_at_start(family, window, reasons):
+    policy = _policy(family, sliding_window=window)
+    with pytest.raises(ValueError, match=rf"`context_parallel_size`=2 cannot train this {family} policy") as error:
+        CP.check_policy(policy)
+    assert all(reason in str(error.value) for reason in reasons)
+    assert "Instead, train it with `context_parallel_size=1`" in str(error.value)
+    PP.check_policy(policy)  # the path the message offers instead
+
+
+def test_linear_attention_and_the_moe_auxiliary_loss_are_refused_at_start():
+    hybrid = _policy("qwen3")
+    hybrid.config.layer_types = ["linear_attention", "full_attention"]  # as Qwen3.5 / Qwen3-Next declare them
+    with pytest.raises(ValueError, match="linear_attention layers carry a recurrent state.*no sequence-parallel scan"):
+        CP.check_policy(hybrid)
+    with pytest.raises(
+        ValueError, match=r"cannot train this qwen3 policy: its \['linear_attention'\] layers are untested"
+    ):
+        PP.check_policy(hybrid)
+    moe = _policy("qwen3_moe")
+    moe.config.output_router_logits = True
+    for dims in (CP, PP):
+        with pytest.raises(
+            ValueError, match=r"qwen3_moe policy: .*MoE auxiliary loss \(`output_router_logits=True`\)"
+        ):
+            dims.check_policy(moe)
+    ParallelDims().check_policy(hybrid)  # without either parallelism nothing is refused
+    ParallelDims().check_policy(moe)

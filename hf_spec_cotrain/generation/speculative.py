@@ -45,7 +45,7 @@ from transformers import (
 from ..draft import Eagle3DraftModel
 from ..draft.modeling import causal_slot_mask
 from ..taps import TapRecorder
-from ..validation import check_int
+from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .adaptive import FixedSpeculation, SpeculationPolicy
 from .decoding_attention import decoding_attention, grouped_attention
 
@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 DRAFT_SAMPLING_METHODS = ("probabilistic", "greedy")
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -657,8 +656,8 @@ def check_speculative_target(config) -> None:
     attention layers, full or sliding-window, whose rejected tokens stay in the cache as masked slots. A
     linear-attention (recurrent) layer would already have folded rejected tokens into its state."""
     text_config = config.get_text_config()
-    layer_types = set(_layer_types(text_config))
-    if "linear_attention" in layer_types:
+    kinds = set(layer_types(text_config))
+    if "linear_attention" in kinds:
         raise ValueError(
             f"This {text_config.model_type} target has linear_attention layers, which speculative_generate cannot "
             "verify: their recurrent state would keep the rejected draft tokens, having no cache slots to mask. "
@@ -666,24 +665,15 @@ def check_speculative_target(config) -> None:
             "linear-attention tensors yet (and vLLM-CPU does not run them): no speculative rollout path of "
             "hf_spec_cotrain serves this family yet."
         )
-    other = sorted(layer_types - set(_ATTENTION_LAYER_TYPES))
+    other = sorted(kinds - set(ATTENTION_LAYER_TYPES))
     if other:
         raise ValueError(
             f"This {text_config.model_type} target has {', '.join(other)} layers, and speculative_generate verifies "
-            f"{' and '.join(_ATTENTION_LAYER_TYPES)} layers only."
+            f"{' and '.join(ATTENTION_LAYER_TYPES)} layers only."
         )
-
-
-def _layer_types(text_config) -> list[str]:
-    """Each layer's type; a window without layer types is every layer's (Mistral's configs)."""
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None:
-        return list(layer_types)
-    default = "sliding_attention" if getattr(text_config, "sliding_window", None) is not None else "full_attention"
-    return [default] * text_config.num_hidden_layers
 
 
 def _layer_windows(text_config) -> dict[str, int | None]:
     """The sliding window of each layer type the target has (None: full attention)."""
     windows = {"full_attention": None, "sliding_attention": getattr(text_config, "sliding_window", None)}
-    return {layer_type: windows[layer_type] for layer_type in dict.fromkeys(_layer_types(text_config))}
+    return {layer_type: windows[layer_type] for layer_type in dict.fromkeys(layer_types(text_config))}

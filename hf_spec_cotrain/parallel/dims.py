@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..validation import check_int
+from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .pipeline import MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
 
 
@@ -94,6 +94,50 @@ class ParallelDims:
             )
         return dims
 
+    def check_policy(self, policy) -> None:
+        """Refuse, at trainer start, a policy whose layers this run's parallel step would compute wrongly.
+
+        The zigzag ring attention is full causal attention over packed documents: a sliding window, attention sinks
+        or a recurrent (linear-attention) layer would be computed as something else. The pipelined step cuts stages
+        of attention layers (full or sliding, dense or MoE) and computes the GRPO loss without a MoE auxiliary loss.
+        """
+        config = policy.config.get_text_config()
+        kinds = set(layer_types(config))
+        aux_loss = bool(getattr(config, "output_router_logits", False))
+        if self.cp_enabled:
+            other = sorted(kinds - {*ATTENTION_LAYER_TYPES, "linear_attention"})
+            sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in policy.named_parameters())
+            reasons = {
+                "its linear_attention layers carry a recurrent state along the sequence, which has no "
+                "sequence-parallel scan yet": "linear_attention" in kinds,
+                f"its sliding_attention layers (window {getattr(config, 'sliding_window', None)}) need a band mask "
+                "that the zigzag ring attention does not apply": "sliding_attention" in kinds,
+                "its attention sinks (`self_attn.sinks`) add a logit per head to the softmax, which the zigzag ring "
+                "attention does not": sinks,
+                f"its {other} layers are not attention layers the ring runs": bool(other),
+                "its MoE auxiliary loss (`output_router_logits=True`) is not computed on sharded sequences": aux_loss,
+            }
+            _refuse_policy(
+                f"`context_parallel_size`={self.context_parallel_size}",
+                config.model_type,
+                reasons,
+                "train it with `context_parallel_size=1` (data parallelism) or with `pipeline_parallel_size` > 1.",
+            )
+        if self.pp_enabled:
+            other = sorted(kinds - set(ATTENTION_LAYER_TYPES))
+            reasons = {
+                f"its {other} layers are untested in stage cutting (full and sliding-window attention layers "
+                "are)": bool(other),
+                "the pipelined GRPO loss has no MoE auxiliary loss (`output_router_logits=True`)": aux_loss,
+            }
+            _refuse_policy(
+                f"`pipeline_parallel_size`={self.pipeline_parallel_size}",
+                config.model_type,
+                reasons,
+                "train it with `pipeline_parallel_size=1` (data parallelism), or set `output_router_logits=False` in "
+                "the policy's config if the auxiliary loss is the reason.",
+            )
+
     def build_context_parallel_group(self) -> dist.ProcessGroup | None:
         """This rank's group of `context_parallel_size` consecutive ranks; None without context parallelism.
 
@@ -121,6 +165,13 @@ def _refuse(setting: str, incompatible: dict[str, bool], reason: str) -> None:
     enabled = [name for name, value in incompatible.items() if value]
     if enabled:
         raise ValueError(f"{setting} cannot be combined with {enabled}: {reason}")
+
+
+def _refuse_policy(setting: str, family: str, reasons: dict[str, bool], instead: str) -> None:
+    """A ValueError naming the family and every reason that holds, when one does."""
+    holding = [reason for reason, holds in reasons.items() if holds]
+    if holding:
+        raise ValueError(f"{setting} cannot train this {family} policy: {'; '.join(holding)}. Instead, {instead}")
 
 
 def _check_context_parallel_options(config, *, deepspeed: bool, fsdp: bool) -> None:
