@@ -1,4 +1,4 @@
-"""Pipeline stages of a HF causal LM (Llama, Qwen2, Qwen3), the base of the pipelined GRPO step (docs/design.md
+"""Pipeline stages of a HF causal LM (dense or MoE, full or sliding-window layers), the base of the pipelined GRPO
 section 6; the step itself is `hf_spec_cotrain.training.pipeline_step`).
 
 A model is cut into stages in the manner of transformers' own naive pipeline split: layers another stage owns

@@ -14,6 +14,9 @@ from hf_spec_cotrain.ttt import ttt_loss
 POLICY_KWARGS = dict(
     num_layers=8, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=96
 )
+# gpt-oss's window is shorter than the batches' rows, so its sliding layers' masks differ from the full ones.
+FAMILY_KWARGS = {"gpt_oss": dict(sliding_window=4)}
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 AUX_LAYER_IDS = (2, 4, 5)
 DRAFT_VOCAB_SIZE = 40
 TEMPERATURE = 0.9
@@ -21,7 +24,10 @@ TEMPERATURE = 0.9
 
 def build_policy(family: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The same policy on every process (seeded), in training mode."""
-    return build_tiny_target(family, **POLICY_KWARGS, seed=0, dtype=dtype).train()
+    policy = build_tiny_target(family, **POLICY_KWARGS, **FAMILY_KWARGS.get(family, {}), seed=0, dtype=dtype)
+    if family in MOE_FAMILIES and dtype == torch.float64:
+        policy.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
+    return policy.train()
 
 
 def build_draft(policy: torch.nn.Module) -> Eagle3DraftModel:

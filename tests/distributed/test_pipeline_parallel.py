@@ -5,7 +5,7 @@ same process groups in the same order, or the hashed names of later groups diver
 
 Every pipelined step is compared with the single-process step on the whole model (`pipeline_cases`): the GRPO
 loss, every policy gradient, the draft's loss and every draft gradient, over GPipe and 1F1B, both tap transports
-and the three model families. `TapChannel` is tested on its own too: variable shapes, the wrong micro-batch,
+and the model families (dense, MoE, gpt-oss's sliding layers and sinks). `TapChannel` is tested on its own too: variable shapes, the wrong micro-batch,
 and 1F1B ordering.
 """
 
@@ -85,6 +85,10 @@ def run_pipeline_steps(
         (2, "llama", "1F1B", "channel", 4, torch.float64),
         (2, "qwen2", "GPipe", "relay", 4, torch.float64),
         (2, "qwen3", "1F1B", "channel", 8, torch.float32),
+        # MoE layers; gpt-oss's experts, sinks and alternating sliding/full layers (the mask dict by layer type)
+        (2, "qwen3_moe", "1F1B", "channel", 4, torch.float64),
+        (2, "gpt_oss", "GPipe", "relay", 4, torch.float64),
+        (2, "gpt_oss", "1F1B", "channel", 4, torch.float32),
         (4, "llama", "1F1B", "channel", 4, torch.float64),
         (4, "qwen3", "GPipe", "channel", 4, torch.float64),
         (4, "qwen2", "1F1B", "relay", 8, torch.float32),
