@@ -1,5 +1,5 @@
 """Pipeline stages of a HF causal LM (dense or MoE, full or sliding-window layers), the base of the pipelined GRPO
-section 6; the step itself is `hf_spec_cotrain.training.pipeline_step`).
+step (docs/design.md section 6; the step itself is `hf_spec_cotrain.training.pipeline_step`).
 
 A model is cut into stages in the manner of transformers' own naive pipeline split: layers another stage owns
 become identity placeholders, so parameter names and per-layer attention types keep their global indices and the
