@@ -10,10 +10,7 @@ from transformers import DynamicCache
 
 from hf_spec_cotrain import Eagle3DraftConfig, Eagle3DraftModel, default_aux_layer_ids
 from hf_spec_cotrain.draft import count_tokens, select_draft_vocab, vocab_maps
-from hf_spec_cotrain.testing import build_tiny_target
-
-
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
+from hf_spec_cotrain.testing import SUPPORTED_FAMILIES, build_tiny_target
 
 
 def _target(family="llama", num_layers=8, **kwargs):
@@ -25,7 +22,7 @@ def _counts(vocab_size, seed=0):
     return count_tokens([torch.randint(0, vocab_size, (3000,), generator=g)], vocab_size)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
 def test_from_target_copies_sizes_and_lm_head_rows(family):
     target = _target(family)
     tcfg = target.config
