@@ -12,6 +12,7 @@ from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.parallel import ParallelDims
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
 
@@ -296,6 +297,16 @@ def test_a_policy_the_hf_native_generator_cannot_verify_is_refused_at_start(tmp_
     with pytest.raises(ValueError, match=r"cannot serve this qwen3 policy: .*linear_attention.*vLLM.*use_vllm=True"):
         _trainer(policy, _config(tmp_path))
     _trainer(policy, _config(tmp_path, speculative_decoding=False))  # co-training alone still works
+
+
+@pytest.mark.parametrize("sizes", [{"context_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_policy_the_parallel_step_cannot_compute_is_refused_at_start(sizes, tmp_path, monkeypatch):
+    # The run's dims as on 2 processes (the refusal comes before any process group is needed).
+    monkeypatch.setattr(ParallelDims, "from_config", classmethod(lambda cls, config, **facts: cls(**sizes)))
+    policy = build_tiny_target("gpt_oss" if "context_parallel_size" in sizes else "qwen3_moe", num_layers=8)
+    policy.config.output_router_logits = True
+    with pytest.raises(ValueError, match=rf"`{next(iter(sizes))}`=2 cannot train this .* policy: .*Instead, "):
+        _trainer(policy, _config(tmp_path, speculative_decoding=False, **sizes))
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3_moe", "gpt_oss"])
