@@ -104,6 +104,7 @@ class ParallelDims:
         config = policy.config.get_text_config()
         kinds = set(layer_types(config))
         aux_loss = bool(getattr(config, "output_router_logits", False))
+        pipeline_reasons = _pipeline_refusals(kinds, aux_loss)
         if self.cp_enabled:
             other = sorted(kinds - {*ATTENTION_LAYER_TYPES, "linear_attention"})
             sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in policy.named_parameters())
@@ -117,23 +118,18 @@ class ParallelDims:
                 f"its {other} layers are not attention layers the ring runs": bool(other),
                 "its MoE auxiliary loss (`output_router_logits=True`) is not computed on sharded sequences": aux_loss,
             }
+            pipeline = "" if any(pipeline_reasons.values()) else " or with `pipeline_parallel_size` > 1"
             _refuse_policy(
                 f"`context_parallel_size`={self.context_parallel_size}",
                 config.model_type,
                 reasons,
-                "train it with `context_parallel_size=1` (data parallelism) or with `pipeline_parallel_size` > 1.",
+                f"train it with `context_parallel_size=1` (data parallelism){pipeline}.",
             )
         if self.pp_enabled:
-            other = sorted(kinds - set(ATTENTION_LAYER_TYPES))
-            reasons = {
-                f"its {other} layers are untested in stage cutting (full and sliding-window attention layers "
-                "are)": bool(other),
-                "the pipelined GRPO loss has no MoE auxiliary loss (`output_router_logits=True`)": aux_loss,
-            }
             _refuse_policy(
                 f"`pipeline_parallel_size`={self.pipeline_parallel_size}",
                 config.model_type,
-                reasons,
+                pipeline_reasons,
                 "train it with `pipeline_parallel_size=1` (data parallelism), or set `output_router_logits=False` in "
                 "the policy's config if the auxiliary loss is the reason.",
             )
@@ -165,6 +161,17 @@ def _refuse(setting: str, incompatible: dict[str, bool], reason: str) -> None:
     enabled = [name for name, value in incompatible.items() if value]
     if enabled:
         raise ValueError(f"{setting} cannot be combined with {enabled}: {reason}")
+
+
+def _pipeline_refusals(kinds: set[str], aux_loss: bool) -> dict[str, bool]:
+    """Why the pipelined step would refuse a policy with these layer types (reason -> whether it holds)."""
+    other = sorted(kinds - set(ATTENTION_LAYER_TYPES))
+    return {
+        f"its {other} layers are untested in stage cutting (full and sliding-window attention layers are)": bool(
+            other
+        ),
+        "the pipelined GRPO loss has no MoE auxiliary loss (`output_router_logits=True`)": aux_loss,
+    }
 
 
 def _refuse_policy(setting: str, family: str, reasons: dict[str, bool], instead: str) -> None:
