@@ -49,7 +49,8 @@ def zigzag_ring_attention_forward(
         attention_mask: ignored (the documents in `cu_seqlens` are the mask).
         cu_seqlens: global boundaries of the packed documents (each a multiple of `2 W` long).
         cp_group: the context-parallel group (every rank must call); None or a group of one: one device.
-        sliding_window, softcap, s_aux: must be None (not supported by the ring kernel).
+        sliding_window, softcap, s_aux: must be None (not supported by the ring kernel; the trainer refuses such
+            policies when it is built, `ParallelDims.check_policy`).
 
     Returns:
         `([1, n, Hq, D], None)`, like transformers' SDPA implementation.
