@@ -54,10 +54,32 @@ def _sync_and_verify(trainer: SpecCoTrainGRPOTrainer) -> list[list[int]]:
     return prompt_ids
 
 
+def _assert_same_acceptance_as_hf_native(trainer: SpecCoTrainGRPOTrainer, prompt_ids: list[list[int]]) -> None:
+    """Same draft, same prompts, greedy: vLLM accepts exactly what the HF-native generator accepts."""
+    tokenizer = trainer.processing_class
+    vllm_out = trainer.rollout_engine.generate(prompt_ids, max_tokens=12, temperature=0.0)
+    policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+    hf_drafts = hf_accepted = 0
+    for ids, completion in zip(prompt_ids, vllm_out.completion_ids):
+        out = speculative_generate(
+            policy,
+            trainer.draft,
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            num_speculative_tokens=trainer.args.num_speculative_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        assert out.sequences[0, len(ids) :].tolist()[: len(completion)] == completion
+        hf_drafts += out.num_drafts
+        hf_accepted += out.num_accepted_tokens
+    assert (vllm_out.spec_decode.num_drafts, vllm_out.spec_decode.num_accepted_tokens) == (hf_drafts, hf_accepted)
+    assert hf_drafts > 0
+
+
 def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_pool, tiny_policy_dir):
     vllm_engine_pool.close()  # one engine at a time: the trainer builds its own
     trainer = _trainer(tiny_policy_dir, tmp_path, draft_learning_rate=1e-3, draft_warmup_steps=0, learning_rate=1e-3)
-    config = trainer.args
     engine = trainer.rollout_engine
     try:
         assert engine is not None and engine.has_draft
@@ -65,27 +87,8 @@ def test_vllm_rollouts_use_the_synced_policy_and_draft(tmp_path, vllm_engine_poo
         logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
         assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
 
-        tokenizer = trainer.processing_class
         prompt_ids = _sync_and_verify(trainer)
-
-        # Same draft, same prompts, greedy: vLLM accepts exactly what the HF-native generator accepts.
-        vllm_out = engine.generate(prompt_ids, max_tokens=12, temperature=0.0)
-        policy = trainer.accelerator.unwrap_model(trainer.model).eval()
-        hf_drafts = hf_accepted = 0
-        for ids, completion in zip(prompt_ids, vllm_out.completion_ids):
-            out = speculative_generate(
-                policy,
-                trainer.draft,
-                torch.tensor([ids]),
-                max_new_tokens=12,
-                num_speculative_tokens=config.num_speculative_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            assert out.sequences[0, len(ids) :].tolist()[: len(completion)] == completion
-            hf_drafts += out.num_drafts
-            hf_accepted += out.num_accepted_tokens
-        assert (vllm_out.spec_decode.num_drafts, vllm_out.spec_decode.num_accepted_tokens) == (hf_drafts, hf_accepted)
+        _assert_same_acceptance_as_hf_native(trainer, prompt_ids)
     finally:
         engine.close()
 
@@ -113,7 +116,8 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_policies_train_with_speculative_vllm_rollouts(family, tmp_path, vllm_engine_pool):
     """Qwen3-MoE and gpt-oss: the experts (and gpt-oss's attention sinks) are synced and read back at every step, so
-    every step rolls out speculatively, and greedy rollouts after training are the trained policy's own."""
+    every step rolls out speculatively, greedy rollouts after training are the trained policy's own, and vLLM accepts
+    what the HF-native generator accepts (gpt-oss: through its sliding windows and sinks)."""
     vllm_engine_pool.close()
     policy_dir = save_tiny_target(tmp_path / family, family, num_layers=8)
     trainer = _trainer(policy_dir, tmp_path, learning_rate=1e-2)
@@ -130,6 +134,7 @@ def test_moe_policies_train_with_speculative_vllm_rollouts(family, tmp_path, vll
         vllm_out = engine.generate(prompt_ids, max_tokens=12, temperature=0.0, ignore_eos=True)
         policy = trainer.accelerator.unwrap_model(trainer.model).eval()
         assert vllm_out.completion_ids == hf_greedy(policy, prompt_ids, 12)
+        _assert_same_acceptance_as_hf_native(trainer, prompt_ids)
     finally:
         engine.close()
 
