@@ -305,11 +305,11 @@ def test_loading_refuses_an_unusable_draft(tmp_path, fault, message):
 
 def test_check_weights_names_inconsistent_vocab_maps():
     draft = _reduced_draft()
-    draft.check_weights()
+    draft.validate_weights()
     draft.t2d[draft.draft_to_target_ids[0]] = False
     with pytest.raises(ValueError, match="`t2d` does not mark exactly the target ids"):
-        draft.check_weights()
+        draft.validate_weights()
     draft.t2d[draft.draft_to_target_ids[0]] = True
     draft.d2t[1] = draft.d2t[0] - 1  # draft ids 0 and 1 both map to one target id
     with pytest.raises(ValueError, match="several draft ids to the same target id"):
-        draft.check_weights()
+        draft.validate_weights()

@@ -235,7 +235,7 @@ class Eagle3DraftModel(PreTrainedModel):
         what = f"The draft checkpoint {pretrained_model_name_or_path}"
         draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
         draft._complete_vocab_maps(missing)
-        draft.check_weights(what=what)
+        draft.validate_weights(what=what)
         if target is not None:
             draft.bind_target(target)
         return (draft, info) if want_info else draft
@@ -308,7 +308,7 @@ class Eagle3DraftModel(PreTrainedModel):
             t2d[target_ids] = True
             self.t2d.copy_(t2d)
 
-    def check_weights(self, *, what: str = "The draft") -> None:
+    def validate_weights(self, *, what: str = "The draft") -> None:
         """Raise a ValueError if a weight is non-finite or not in the draft's dtype, or if ``d2t``/``t2d`` do not map
         into the target vocabulary: such a draft would fail or draft garbage at the first rollout."""
         tensors = {**dict(self.named_parameters()), "d2t": self.d2t, "t2d": self.t2d}

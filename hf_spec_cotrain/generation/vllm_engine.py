@@ -179,6 +179,13 @@ class VLLMRolloutEngine:
     def has_draft(self) -> bool:
         return self._layouts["draft"] is not None
 
+    @property
+    def vocab_size(self) -> int:
+        """The policy's vocabulary, inside which a draft's `d2t` must map every draft id."""
+        vocab_size = self._layouts["policy"].vocab_size
+        assert vocab_size is not None, "vLLM's policy model has no config.vocab_size"
+        return vocab_size
+
     # ----------------------------------------------------------------------------------- generation
 
     def generate(
