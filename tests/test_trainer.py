@@ -464,3 +464,15 @@ def test_a_draft_that_keeps_failing_stops_speculation_once(policy_dir, tmp_path,
         assert torch.equal(_state(trainer.draft)[name], tensor), name
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "| Restores of the last good draft (non-finite or unusable weights) | 5 |" in card
+
+
+def test_a_draft_with_an_out_of_range_d2t_is_restored_before_rollouts(policy_dir, tmp_path):
+    """Issue 18: such a draft made rollouts fall back, then crashed the run with an IndexError."""
+    trainer = _trainer(policy_dir, _config(tmp_path, draft_vocab_size=60))
+    good = _state(trainer.draft)
+    with torch.no_grad():
+        trainer.draft.d2t[-1] = 10**6
+    assert trainer.draft_cotrainer.heal(step=0) is False
+    for name, tensor in good.items():
+        assert torch.equal(_state(trainer.draft)[name], tensor), name
+    assert trainer.draft_cotrainer.restored_steps == 1 and trainer.draft_cotrainer.heal(step=0) is True

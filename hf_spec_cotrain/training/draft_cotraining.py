@@ -234,8 +234,8 @@ class DraftCoTrainer:
 
     def _snapshot(self) -> dict:
         return {
-            "draft": {name: tensor.detach().clone() for name, tensor in self.draft.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "draft": _on_host(self.draft.state_dict()),
+            "optimizer": _on_host(self.optimizer.state_dict()),
         }
 
     def _restore(self, step: int, problem: str) -> None:
@@ -301,6 +301,17 @@ class DraftCoTrainer:
         self.skipped_steps = state["skipped_steps"]
         self.restored_steps = state.get("restored_steps", 0)  # checkpoints written before healing existed
         self._last_good = self._snapshot()
+
+
+def _on_host(state):
+    """A copy of a (nested) state dict with every tensor on the CPU: the last good draft costs no accelerator memory."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: _on_host(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_host(value) for value in state)
+    return copy.deepcopy(state)
 
 
 class DraftUpdateCallback(TrainerCallback):
