@@ -216,7 +216,8 @@ class Eagle3DraftModel(PreTrainedModel):
         """Load a draft checkpoint (safetensors only), from this package, EAGLE, SpecForge or speculators.
 
         ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
-        so is a draft that fails `check_weights`. Pass ``target=`` to validate and bind in one go.
+        so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
+        Pass ``target=`` to validate and bind in one go.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
@@ -225,14 +226,14 @@ class Eagle3DraftModel(PreTrainedModel):
         draft, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
-        missing = set(info["missing_keys"])
-        if missing - set(VOCAB_MAPS):
-            raise ValueError(
-                f"The draft checkpoint {pretrained_model_name_or_path} has no {', '.join(sorted(missing - set(VOCAB_MAPS)))}"
-                ": a draft is loaded whole, never with weights initialised at random. Load a complete EAGLE-3 "
-                "checkpoint (`save_pretrained` writes one)."
-            )
         what = f"The draft checkpoint {pretrained_model_name_or_path}"
+        missing = set(info["missing_keys"])
+        missing_weights = sorted(missing - set(VOCAB_MAPS))
+        if missing_weights:
+            raise ValueError(
+                f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
+                "at random. Load a complete EAGLE-3 checkpoint (`save_pretrained` writes one)."
+            )
         draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
         draft._complete_vocab_maps(missing)
         draft.validate_weights(what=what)

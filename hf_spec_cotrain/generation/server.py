@@ -382,7 +382,12 @@ class RolloutServer:
             return problems
         if target == "draft":
             return draft_tensor_problems(weights, vocab_size=self.engine.vocab_size)
-        return [problem for name, tensor in weights.items() for problem in weight_problems(name, tensor)]
+        return [
+            problem
+            for name, tensor in weights.items()
+            if tensor.is_floating_point()
+            for problem in weight_problems(name, tensor)
+        ]
 
     def _probe_generation(self) -> None:
         """A few greedy tokens right after a sync, so that weights vLLM cannot run are rolled back within the commit
