@@ -546,9 +546,9 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_engine_pool, tiny_target_dir, tmp_path):
-    """A Qwen3-MoE or gpt-oss server of its own (no draft): a poisoned expert fails the readback and the rollback
-    point (the engine's readback through the CPU kernel's expert packing) restores the rollouts exactly; a good update
-    in chunks then makes greedy rollouts follow the updated policy."""
+    """A Qwen3-MoE or gpt-oss server of its own (no draft): a poisoned expert is refused at commit, after the rollback
+    point was read through the CPU kernel's expert packing, and the rollouts stay exactly the same; a good update in
+    chunks then makes greedy rollouts follow the updated policy."""
     vllm_engine_pool.close()
     folder = tiny_target_dir(family)
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -564,7 +564,9 @@ def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_en
 
         fresh = greedy()
         assert fresh == hf_greedy(model, prompts, ROLLOUT_TOKENS)
-        with pytest.raises(VLLMServerError, match=r"HTTP 500: .*model.layers.1.mlp.experts.gate_up_proj \(1 of"):
+        with pytest.raises(
+            VLLMServerError, match=r"HTTP 400: .*`model.layers.1.mlp.experts.gate_up_proj` holds 1 non"
+        ):
             client.sync_weights("policy", poisoned.items())
         assert greedy() == fresh
         update = client.sync_weights("policy", perturbed.items(), chunk_bytes=200_000)
