@@ -26,8 +26,11 @@ def render_draft_card(
     step_weight_decay: float = 0.8,
     num_speculative_tokens: int = 3,
     num_target_layers: int | None = None,
+    skipped_steps: int = 0,
+    restored_steps: int = 0,
 ) -> str:
-    """The README.md of a co-trained draft: target, taps, vocabulary, TTT settings, acceptance, how to serve."""
+    """The README.md of a co-trained draft: target, taps, vocabulary, TTT settings, training health (updates skipped,
+    restores of the last good draft), acceptance, how to serve."""
     config = draft.config
     aux_ids = config.aux_layer_ids
     if aux_ids is None and num_target_layers is not None:
@@ -54,6 +57,8 @@ def render_draft_card(
             ttt_steps=ttt_steps,
             step_weight_decay=step_weight_decay,
             training_steps=training_steps,
+            skipped_steps=skipped_steps,
+            restored_steps=restored_steps,
             acceptance_history=list(acceptance_history),
             num_speculative_tokens=num_speculative_tokens,
         )

@@ -296,6 +296,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
         if (
             not self.args.speculative_decoding
+            or not self.draft_cotrainer.speculating
             or self.use_vllm
             or self.use_transformers_continuous_batching
             or images is not None
@@ -362,9 +363,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     def save_draft(self, folder: str | os.PathLike, *, repo_id: str | None = None) -> Path:
         """Write the draft as a vLLM-loadable folder, with its model card (README.md)."""
         folder = Path(folder)
+        self.draft.validate_weights(what=f"The draft to save in {folder}")  # healed every step: a bug if it fails
         self.draft.save_pretrained(folder)
         card = render_draft_card(
             self.draft,
+            skipped_steps=self.draft_cotrainer.skipped_steps,
+            restored_steps=self.draft_cotrainer.restored_steps,
             target_model=self._target_name(),
             repo_id=repo_id or self._draft_repo_id(),
             training_steps=self.state.global_step,

@@ -251,3 +251,62 @@ def test_masked_cache_slots_are_invisible():
     kept = torch.tensor([0, 1, 3, 4, 5])
     alone = draft(input_ids=ids[:, kept], aux_hidden_states=taps[:, kept])
     torch.testing.assert_close(masked.logits[:, kept], alone.logits, rtol=1e-10, atol=1e-10)
+
+
+def _reduced_draft():
+    target = _target()
+    return Eagle3DraftModel.from_target(
+        target, draft_vocab_size=30, token_counts=_counts(target.config.vocab_size, seed=7)
+    )
+
+
+def _corrupt(tensors, name):
+    """The draft's tensors with ``name`` made unusable as the issue's bad updates were."""
+    tensors = dict(tensors)
+    if name == "d2t":
+        tensors["d2t"] = tensors["d2t"].clone()
+        tensors["d2t"][-1] = 10**6  # the right length, one id far outside the vocabulary
+    elif name == "missing":
+        del tensors["fc.weight"]
+    elif name == "int32":
+        tensors = {k: v if k in ("d2t", "t2d") else (v * 100).to(torch.int32) for k, v in tensors.items()}
+    elif name == "int32_fc":  # the loader would cast it to float32 without a word
+        tensors["fc.weight"] = (tensors["fc.weight"] * 100).to(torch.int32)
+    elif name == "float16_fc":
+        tensors["fc.weight"] = tensors["fc.weight"].half()
+    else:
+        tensors["fc.weight"] = tensors["fc.weight"].clone()
+        tensors["fc.weight"][0, 0] = float("nan")
+    return tensors
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("d2t", r"`d2t` maps 1 draft ids outside the target vocabulary \[0, 100\) \(e.g. to 1000029\)"),
+        ("nan", r"`fc.weight` holds 1 non-finite values"),
+        ("missing", r"has no fc.weight: a draft is loaded whole"),
+        ("int32", r"not a floating-point dtype"),
+        ("int32_fc", r"`fc.weight` has dtype torch.int32, not a floating-point dtype"),
+        ("float16_fc", r"`fc.weight` has dtype torch.float16, but the declared dtype is torch.float32"),
+    ],
+)
+def test_loading_refuses_an_unusable_draft(tmp_path, fault, message):
+    draft = _reduced_draft()
+    draft.save_pretrained(tmp_path)  # the config declares float32
+    tensors = {k: v.contiguous() for k, v in draft.state_dict().items()}
+    save_file(_corrupt(tensors, fault), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+
+
+def test_check_weights_names_inconsistent_vocab_maps():
+    draft = _reduced_draft()
+    draft.validate_weights()
+    draft.t2d[draft.draft_to_target_ids[0]] = False
+    with pytest.raises(ValueError, match="`t2d` does not mark exactly the target ids"):
+        draft.validate_weights()
+    draft.t2d[draft.draft_to_target_ids[0]] = True
+    draft.d2t[1] = draft.d2t[0] - 1  # draft ids 0 and 1 both map to one target id
+    with pytest.raises(ValueError, match="several draft ids to the same target id"):
+        draft.validate_weights()

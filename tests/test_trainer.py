@@ -9,9 +9,10 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_policy import tiny_grpo_kwargs
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain import Eagle3DraftModel, SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.parallel import ParallelDims
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
@@ -390,3 +391,99 @@ def test_lora_policy_taps_adapted_model_and_rollouts_get_merged_weights(policy_d
         for k in merged
         if "q_proj" in k
     )
+
+
+class _PoisonDraftAtStepBegin(TrainerCallback):
+    """Puts a NaN into the draft's ``fc.weight`` when step ``step`` begins (between two steps, as a bad write would),
+    after keeping a copy of the last good state the trainer holds."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step, self.last_good = trainer, step, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.last_good = copy.deepcopy(self.trainer.draft_cotrainer._last_good)
+            with torch.no_grad():
+                self.trainer.draft.fc.weight[0, 0] = float("nan")
+
+
+def test_a_draft_gone_nonfinite_is_restored_and_speculation_goes_on(policy_dir, tmp_path, caplog):
+    """The NaN enters after step 2's update and before step 3's rollouts: the restore brings back exactly that update's
+    draft and optimizer state, so the run goes on as if nothing happened (policy and draft bitwise equal)."""
+    clean = _trainer(policy_dir, _config(tmp_path / "clean", max_steps=4, draft_vocab_size=60))
+    clean.train()
+    trainer = _trainer(policy_dir, _config(tmp_path / "poisoned", max_steps=4, draft_vocab_size=60))
+    poison = _PoisonDraftAtStepBegin(trainer, step=2)
+    trainer.add_callback(poison)
+    trainer.callback_handler.callbacks.sort(key=lambda callback: callback is not poison)  # before the healing
+    restored = []
+    original_restore = trainer.draft_cotrainer._restore
+
+    def recording_restore(step, problem):
+        original_restore(step, problem)
+        restored.append((_state(trainer.draft), copy.deepcopy(trainer.draft_cotrainer.optimizer.state_dict())))
+
+    trainer.draft_cotrainer._restore = recording_restore
+    with caplog.at_level("WARNING", logger="hf_spec_cotrain.training.draft_cotraining"):
+        trainer.train()
+    assert len(restored) == 1
+    draft_state, optimizer_state = restored[0]
+    for name, tensor in poison.last_good["draft"].items():
+        assert torch.equal(draft_state[name], tensor), name
+    for index, tensors in poison.last_good["optimizer"]["state"].items():
+        for key, tensor in tensors.items():
+            assert torch.equal(optimizer_state["state"][index][key], tensor), (index, key)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "`fc.weight` holds 1 non-finite values" in warnings[0]
+    after = [entry for entry in trainer.state.log_history if "draft/restored" in entry][2:]
+    assert [entry["draft/restored"] for entry in after] == [1.0, 1.0]
+    assert all(entry["spec/acceptance_length"] > 1.0 and "spec/fallback" not in entry for entry in after)
+    for name, tensor in _state(clean.model).items():
+        assert torch.equal(_state(trainer.model)[name], tensor), name
+    for name, tensor in _state(clean.draft).items():
+        assert torch.equal(_state(trainer.draft)[name], tensor), name
+    saved = Eagle3DraftModel.from_pretrained(tmp_path / "poisoned" / "draft")  # validated: finite
+    assert torch.equal(saved.fc.weight, clean.draft.fc.weight)
+    card = (tmp_path / "poisoned" / "draft" / "README.md").read_text()
+    assert "| Restores of the last good draft (non-finite or unusable weights) | 1 |" in card
+    assert "| Draft updates skipped (non-finite loss or gradient) | 0 |" in card
+
+
+def test_a_draft_that_keeps_failing_stops_speculation_once(policy_dir, tmp_path, monkeypatch, caplog):
+    trainer = _trainer(policy_dir, _config(tmp_path, max_steps=5))
+    initial = _state(trainer.draft)
+    optimizer = trainer.draft_cotrainer.optimizer
+    original_step = optimizer.step
+
+    def step_into_nan(*args, **kwargs):
+        original_step(*args, **kwargs)
+        with torch.no_grad():
+            trainer.draft.fc.weight.fill_(float("nan"))
+
+    monkeypatch.setattr(optimizer, "step", step_into_nan)
+    with caplog.at_level("WARNING", logger="hf_spec_cotrain.training.draft_cotraining"):
+        trainer.train()
+    assert trainer.state.global_step == 5
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "rollouts are plain for the rest of this run" in errors[0]
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    logs = [entry for entry in trainer.state.log_history if "draft/restored" in entry]
+    assert [entry["draft/restored"] for entry in logs] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [entry["draft/speculation_stopped"] for entry in logs] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert all("spec/acceptance_length" not in entry for entry in logs[3:])  # plain rollouts
+    for name, tensor in initial.items():  # no update ever succeeded: the draft it started from
+        assert torch.equal(_state(trainer.draft)[name], tensor), name
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "| Restores of the last good draft (non-finite or unusable weights) | 5 |" in card
+
+
+def test_a_draft_with_an_out_of_range_d2t_is_restored_before_rollouts(policy_dir, tmp_path):
+    """Issue 18: such a draft made rollouts fall back, then crashed the run with an IndexError."""
+    trainer = _trainer(policy_dir, _config(tmp_path, draft_vocab_size=60))
+    good = _state(trainer.draft)
+    with torch.no_grad():
+        trainer.draft.d2t[-1] = 10**6
+    assert trainer.draft_cotrainer.heal(step=0) is False
+    for name, tensor in good.items():
+        assert torch.equal(_state(trainer.draft)[name], tensor), name
+    assert trainer.draft_cotrainer.restored_steps == 1 and trainer.draft_cotrainer.heal(step=0) is True

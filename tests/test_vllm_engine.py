@@ -229,6 +229,24 @@ def test_sync_failing_inside_vllm_blocks_generation_until_a_full_sync(vllm_engin
 
 
 @pytest.mark.vllm
+def test_generation_failing_inside_vllm_leaves_the_engine_usable(vllm_engine, tiny_llama_drafts):
+    """A draft whose `d2t` points outside the vocabulary passes the engine's name and shape checks (the trainer and
+    the server refuse it before): vLLM then fails inside the generation. Syncing the previous draft back restores
+    exactly the previous rollouts (issue 18: the prefix cache could not be reset any more)."""
+    engine = vllm_engine.engine
+    draft = tiny_llama_drafts.state_dicts["reduced", "b"]
+    bad_d2t = {**draft, "d2t": draft["d2t"].clone()}
+    bad_d2t["d2t"][:] = 10**6
+    engine.sync_weights("draft", bad_d2t.items(), verify=False)
+    try:
+        with pytest.raises(Exception, match="out of bounds|index"):
+            vllm_engine.greedy()
+    finally:
+        engine.sync_weights("draft", draft.items())
+    assert vllm_engine.greedy() == vllm_engine.fresh_greedy
+
+
+@pytest.mark.vllm
 def test_sampling_n_and_logprobs(vllm_engine):
     engine = vllm_engine.engine
     prompts = vllm_engine.prompts[:2]

@@ -28,7 +28,7 @@ from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
 from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
-from hf_spec_cotrain.generation.engine import RolloutOutput
+from hf_spec_cotrain.generation.engine import RolloutOutput, SpecDecodeStats, SyncStats
 
 
 # Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.
@@ -88,6 +88,51 @@ def test_weight_transactions_stage_replace_and_expire():
     assert error.value.status_code == 404
     with pytest.raises(server_module.ServerError, match="No open transaction nope"):
         transactions.abort("nope")
+
+
+class _EngineThatFailsOnSomeWeights:
+    """Just enough engine for `RolloutServer.commit`: one weight `w`, and generation fails while `w` holds 13, as
+    vLLM did on weights that passed every check (issue 18's out-of-range `d2t`)."""
+
+    has_draft, vocab_size = False, 8
+
+    def __init__(self):
+        self.weights = {"w": torch.zeros(2)}
+
+    def check_weights(self, which, named_shapes, *, complete=True):
+        pass
+
+    def read_weights(self, which):
+        return {name: tensor.clone() for name, tensor in self.weights.items()}
+
+    def sync_weights(self, which, named_tensors):
+        self.weights = {name: tensor.clone() for name, tensor in named_tensors}
+        return SyncStats(num_tensors=len(self.weights), load_seconds=0.0, verify_seconds=None)
+
+    def generate(self, prompt_token_ids, **kwargs):
+        if (self.weights["w"] == 13).any():
+            raise IndexError("index 13 is out of bounds")
+        return RolloutOutput(completion_ids=[[1]], logprobs=None, spec_decode=SpecDecodeStats())
+
+    def close(self):
+        pass
+
+
+def test_commit_whose_first_generation_fails_is_rolled_back():
+    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
+    server = server_module.RolloutServer(_EngineThatFailsOnSomeWeights, transaction_timeout=60, max_chunk_bytes=2**20)
+    try:
+        good = server.transactions.begin("policy", 1)
+        server.transactions.add_chunk(good.id, 0, {"w": torch.ones(2)}, 8)
+        server.commit(server.transactions.take(good.id), 1)
+        bad = server.transactions.begin("policy", 2)
+        server.transactions.add_chunk(bad.id, 0, {"w": torch.full((2,), 13.0)}, 8)
+        with pytest.raises(server_module.ServerError, match=r"IndexError: index 13 .* restored the previous policy"):
+            server.commit(server.transactions.take(bad.id), 1)
+        assert torch.equal(server.engine.weights["w"], torch.ones(2))
+        assert server.health()["versions"]["policy"] == 1
+    finally:
+        server.close()
 
 
 def test_vllm_serve_options_become_engine_arguments():
@@ -254,24 +299,50 @@ def test_sampling_n_and_logprobs(server):
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), reference, atol=1e-4, rtol=0)
 
 
+def _poisoned(handle: "ServerHandle", fault: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """One of issue 18's bad updates: right names and shapes (they pass the checks made on arrival)."""
+    target = "policy" if fault.startswith("policy") else "draft"
+    source = handle.hf_target().state_dict() if target == "policy" else handle.drafts["b"]
+    weights = {name: tensor.clone() for name, tensor in source.items()}
+    if fault == "policy_nan":
+        weights["model.layers.5.mlp.down_proj.weight"][3, 7] = float("nan")
+    elif fault == "policy_float16":
+        weights = {name: tensor.half() for name, tensor in weights.items()}
+    elif fault == "draft_nan":
+        weights["midlayer.mlp.down_proj.weight"][3, 7] = float("nan")
+    elif fault == "draft_int32":
+        weights = {
+            name: tensor if name in ("d2t", "t2d") else tensor.to(torch.int32) for name, tensor in weights.items()
+        }
+    elif fault == "draft_d2t":
+        weights["d2t"][-1] = 10**6  # the right length, one id far outside the target vocabulary
+    elif fault == "draft_missing":
+        del weights["fc.weight"]
+    return target, weights
+
+
 @pytest.mark.vllm
-def test_update_that_fails_in_vllm_is_rolled_back(server):
-    """Placed before any successful update: the rollback point is then the engine's own read-back weights."""
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("policy_nan", r"`model.layers.5.mlp.down_proj.weight` holds 1 non-finite values"),
+        ("policy_float16", r"`model.norm.weight` is torch.float16, the engine holds it in torch.float32"),
+        ("draft_nan", r"`midlayer.mlp.down_proj.weight` holds 1 non-finite values"),
+        ("draft_int32", r"`fc.weight` is torch.int32, the engine holds it in torch.float32"),
+        ("draft_d2t", r"`d2t` maps 1 draft ids outside the target vocabulary \[0, \d+\) \(e.g. to 1000\d+\)"),
+        ("draft_missing", r"missing: fc.weight"),
+    ],
+)
+def test_unusable_updates_are_refused_and_the_previous_weights_serve(server, fault, message):
+    """Each bad update is refused at commit with a 4xx naming the tensor; the server stays healthy and serves exactly
+    the weights it served before (the policy decides the tokens, the draft the counters)."""
     client = server.client
     versions = client.weights_version()
-    # Right names and shapes, so it reaches vLLM; a NaN never reads back equal, so the readback check fails after
-    # every layer was replaced and the server must restore the previous weights.
-    poisoned = _perturbed(server.hf_target().state_dict(), seed=5)
-    poisoned["model.layers.5.mlp.down_proj.weight"][3, 7] = float("nan")
-    with pytest.raises(VLLMServerError, match=r"HTTP 500: .*policy.*model.layers.5.mlp.down_proj.weight") as error:
-        client.sync_weights("policy", poisoned.items())
-    assert f"restored the previous policy weights (version {versions.policy})" in str(error.value)
-    poisoned_draft = {name: tensor.clone() for name, tensor in server.drafts["b"].items()}
-    poisoned_draft["midlayer.mlp.down_proj.weight"][3, 7] = float("nan")
-    with pytest.raises(VLLMServerError, match=r"HTTP 500: .*midlayer.mlp.down_proj.weight \(\d+ of") as error:
-        client.sync_weights("draft", poisoned_draft.items())
-    assert f"restored the previous draft weights (version {versions.draft})" in str(error.value)
-    # The policy decides the tokens and the draft the counters: both are back exactly.
+    target, weights = _poisoned(server, fault)
+    with pytest.raises(VLLMServerError, match=message) as error:
+        client.sync_weights(target, weights.items())
+    assert error.value.status_code == 400
+    assert client.health()["status"] == "ok"
     server.assert_unchanged(versions)
 
 
@@ -475,9 +546,9 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_engine_pool, tiny_target_dir, tmp_path):
-    """A Qwen3-MoE or gpt-oss server of its own (no draft): a poisoned expert fails the readback and the rollback
-    point (the engine's readback through the CPU kernel's expert packing) restores the rollouts exactly; a good update
-    in chunks then makes greedy rollouts follow the updated policy."""
+    """A Qwen3-MoE or gpt-oss server of its own (no draft): a poisoned expert is refused at commit, after the rollback
+    point was read through the CPU kernel's expert packing, and the rollouts stay exactly the same; a good update in
+    chunks then makes greedy rollouts follow the updated policy."""
     vllm_engine_pool.close()
     folder = tiny_target_dir(family)
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -493,7 +564,9 @@ def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_en
 
         fresh = greedy()
         assert fresh == hf_greedy(model, prompts, ROLLOUT_TOKENS)
-        with pytest.raises(VLLMServerError, match=r"HTTP 500: .*model.layers.1.mlp.experts.gate_up_proj \(1 of"):
+        with pytest.raises(
+            VLLMServerError, match=r"HTTP 400: .*`model.layers.1.mlp.experts.gate_up_proj` holds 1 non"
+        ):
             client.sync_weights("policy", poisoned.items())
         assert greedy() == fresh
         update = client.sync_weights("policy", perturbed.items(), chunk_bytes=200_000)

@@ -6,6 +6,7 @@ callable supplied by the caller, which lets the same layers run the training-tim
 (`hf_spec_cotrain.ttt`) and a KV-cached causal attention for generation (`forward`).
 """
 
+import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -24,10 +26,11 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-from transformers.utils import ModelOutput, logging
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, ModelOutput, cached_file, logging
 
 from ..taps import validate_aux_layer_ids
 from ..validation import check_int
+from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
 from .vocab import select_draft_vocab, vocab_maps
 
@@ -212,7 +215,9 @@ class Eagle3DraftModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
         """Load a draft checkpoint (safetensors only), from this package, EAGLE, SpecForge or speculators.
 
-        ``t2d``/``d2t`` absent means the full vocabulary. Pass ``target=`` to validate and bind in one go.
+        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
+        so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
+        Pass ``target=`` to validate and bind in one go.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
@@ -221,7 +226,17 @@ class Eagle3DraftModel(PreTrainedModel):
         draft, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
-        draft._complete_vocab_maps(set(info["missing_keys"]))
+        what = f"The draft checkpoint {pretrained_model_name_or_path}"
+        missing = set(info["missing_keys"])
+        missing_weights = sorted(missing - set(VOCAB_MAPS))
+        if missing_weights:
+            raise ValueError(
+                f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
+                "at random. Load a complete EAGLE-3 checkpoint (`save_pretrained` writes one)."
+            )
+        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
+        draft._complete_vocab_maps(missing)
+        draft.validate_weights(what=what)
         if target is not None:
             draft.bind_target(target)
         return (draft, info) if want_info else draft
@@ -264,6 +279,23 @@ class Eagle3DraftModel(PreTrainedModel):
                 commit_message=commit_message,
             )
 
+    def _check_stored_dtypes(self, files: list[str], *, what: str) -> None:
+        """The loader casts every tensor to the parameter's dtype without a word (an int32 weight arrives truncated):
+        check the weights as stored, each floating and in the config's declared dtype."""
+        declared = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else None
+        weights = dict(self.named_parameters())
+        problems = []
+        for file in files:
+            with safe_open(file, framework="pt") as stored:
+                for name in stored.keys() & weights.keys():
+                    empty = stored.get_slice(name)[:0]  # the stored dtype, no data read
+                    problems.extend(weight_problems(name, empty, dtype=declared))
+        if problems:
+            raise ValueError(
+                f"{what} is not usable: {'; '.join(problems)}. Save the draft with floating weights in one dtype "
+                "(`save_pretrained` does)."
+            )
+
     def _complete_vocab_maps(self, missing_keys: set[str]) -> None:
         reduced = self.config.draft_vocab_size < self.config.vocab_size
         if "d2t" in missing_keys and reduced:
@@ -276,6 +308,12 @@ class Eagle3DraftModel(PreTrainedModel):
             t2d = torch.zeros_like(self.t2d)
             t2d[target_ids] = True
             self.t2d.copy_(t2d)
+
+    def validate_weights(self, *, what: str = "The draft") -> None:
+        """Raise a ValueError if a weight is non-finite or not in the draft's dtype, or if ``d2t``/``t2d`` do not map
+        into the target vocabulary: such a draft would fail or draft garbage at the first rollout."""
+        tensors = {**dict(self.named_parameters()), "d2t": self.d2t, "t2d": self.t2d}
+        check_draft_tensors(tensors, vocab_size=self.config.vocab_size, dtype=self.dtype, what=what)
 
     def bind_target(self, target: PreTrainedModel) -> "Eagle3DraftModel":
         """Check that this draft fits ``target`` and read token embeddings from it from now on."""
@@ -435,6 +473,23 @@ class Eagle3DraftModel(PreTrainedModel):
         return Eagle3DraftOutput(
             logits=self.compute_logits(hidden_states), hidden_states=hidden_states, past_key_values=past_key_values
         )
+
+
+def _checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> list[str]:
+    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index."""
+    kwargs = {
+        key: hub_kwargs[key]
+        for key in ("cache_dir", "revision", "token", "subfolder", "local_files_only")
+        if key in hub_kwargs
+    }
+    single = cached_file(
+        pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **kwargs
+    )
+    if single is not None:
+        return [single]
+    index = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_INDEX_NAME, **kwargs)
+    shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+    return [cached_file(pretrained_model_name_or_path, shard, **kwargs) for shard in shards]
 
 
 def causal_slot_mask(slot_mask: torch.Tensor, length: int, *, window: int | None = None) -> torch.Tensor:

@@ -22,9 +22,11 @@ Endpoints (JSON; every error is ``{"error": "<message>"}`` with a 4xx/5xx status
 
 A weight update is one transaction: chunks are parsed, checked (names, shapes, no tensor twice) and staged in
 memory; nothing reaches vLLM before commit. Commit checks that chunks 0..N-1 all arrived and that they form the
-complete set, then syncs and reads every tensor back through vLLM's kernels. If vLLM fails or the readback differs
-(NaN weights always do: NaN never equals itself), the previous complete weights are synced back, the
-server keeps serving them, and the commit answers 500. A transaction idle for longer than ``transaction_timeout``
+complete set, and the tensors as sent (400 otherwise): each in the engine's dtype (or float32 master weights), every
+floating value finite, a draft's ``d2t`` inside the target vocabulary (`hf_spec_cotrain.draft.checks`). It then
+syncs, reads every tensor back through vLLM's kernels and generates a few greedy tokens. If vLLM fails, the readback
+differs or that first generation fails, the previous complete weights are synced back, the server keeps serving
+them, and the commit answers 500. A transaction idle for longer than ``transaction_timeout``
 is discarded. The rollback point is the last committed set (or, before the first commit, a readback of the engine),
 held on the CPU: one extra copy of each model in host memory.
 
@@ -60,6 +62,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from starlette.concurrency import run_in_threadpool
 
+from ..draft.checks import draft_tensor_problems, weight_problems
 from .client import SHA256_HEADER
 from .engine import WeightSet, finite_or_none
 from .vllm_engine import VLLMRolloutEngine
@@ -72,6 +75,8 @@ logger = logging.getLogger(__name__)
 # Ids of expired transactions remembered so that a late chunk or commit hears "expired" rather than "unknown".
 _REMEMBERED_EXPIRED = 1024
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+# Tokens generated after every commit: enough for the draft to propose and the policy to verify.
+_PROBE_TOKENS = 4
 
 
 class ServerError(Exception):
@@ -284,6 +289,7 @@ class RolloutServer:
         self.max_chunk_bytes = max_chunk_bytes
         self.versions: dict[str, int | None] = {"policy": 0, "draft": 0 if self.engine.has_draft else None}
         self._rollback_points: dict[str, dict[str, torch.Tensor]] = {}
+        self._engine_dtypes: dict[str, dict[str, torch.dtype]] = {}
         self._broken: dict[str, str] = {}
         self._nccl: _NcclReceiver | None = None
 
@@ -334,8 +340,20 @@ class RolloutServer:
             raise ServerError(400, f"Transaction {transaction.id} refused: {error}") from error
         if target not in self._rollback_points:
             self._rollback_points[target] = self.engine.read_weights(target)
+            self._engine_dtypes[target] = {
+                name: tensor.dtype for name, tensor in self._rollback_points[target].items()
+            }
+        problems = self._value_problems(target, weights)
+        if problems:
+            raise ServerError(
+                400,
+                f"Transaction {transaction.id} refused, nothing was applied: {'; '.join(problems)}. Send finite weights "
+                f"in the engine's dtypes (float32 master weights are accepted and rounded) and a draft whose `d2t` maps "
+                f"into the target vocabulary.",
+            )
         try:
             stats = self.engine.sync_weights(target, weights.items())
+            self._probe_generation()
         except Exception as error:
             raise self._roll_back(target, error) from error
         self._rollback_points[target] = {name: tensor.to("cpu") for name, tensor in weights.items()}
@@ -349,6 +367,32 @@ class RolloutServer:
             "load_seconds": stats.load_seconds,
             "verify_seconds": stats.verify_seconds,
         }
+
+    def _value_problems(self, target: WeightSet, weights: dict[str, torch.Tensor]) -> list[str]:
+        """Dtypes first (compared as sent, before the engine converts anything), then values: finite weights and, for
+        a draft, `d2t`/`t2d` inside the target vocabulary. An update that passes the name and shape checks but fails
+        these would pass the read-back (which converts to the engine's dtypes) or fail only at the next rollout."""
+        engine_dtypes = self._engine_dtypes[target]
+        problems = [
+            f"`{name}` is {tensor.dtype}, the engine holds it in {engine_dtypes[name]}"
+            for name, tensor in weights.items()
+            if name in engine_dtypes and tensor.dtype not in _accepted_dtypes(engine_dtypes[name])
+        ]
+        if problems:
+            return problems
+        if target == "draft":
+            return draft_tensor_problems(weights, vocab_size=self.engine.vocab_size)
+        return [
+            problem
+            for name, tensor in weights.items()
+            if tensor.is_floating_point()
+            for problem in weight_problems(name, tensor)
+        ]
+
+    def _probe_generation(self) -> None:
+        """A few greedy tokens right after a sync, so that weights vLLM cannot run are rolled back within the commit
+        rather than found by the next rollout."""
+        self.engine.generate([[0]], max_tokens=_PROBE_TOKENS, temperature=0.0, ignore_eos=True)
 
     def _roll_back(self, target: str, error: Exception) -> ServerError:
         version = self.versions[target]
@@ -561,6 +605,11 @@ def build_app(server: RolloutServer) -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def _accepted_dtypes(engine_dtype: torch.dtype) -> set[torch.dtype]:
+    """The engine's own dtype, or float32 for a floating weight: a trainer's master weights, which vLLM rounds."""
+    return {engine_dtype, torch.float32} if engine_dtype.is_floating_point else {engine_dtype}
 
 
 def _check_index(index: int) -> None:

@@ -179,6 +179,13 @@ class VLLMRolloutEngine:
     def has_draft(self) -> bool:
         return self._layouts["draft"] is not None
 
+    @property
+    def vocab_size(self) -> int:
+        """The policy's vocabulary, inside which a draft's `d2t` must map every draft id."""
+        vocab_size = self._layouts["policy"].vocab_size
+        assert vocab_size is not None, "vLLM's policy model has no config.vocab_size"
+        return vocab_size
+
     # ----------------------------------------------------------------------------------- generation
 
     def generate(
@@ -224,9 +231,13 @@ class VLLMRolloutEngine:
             **sampling_kwargs,
         )
         before = self.spec_decode_counters()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], sampling_params, use_tqdm=False
-        )
+        try:
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], sampling_params, use_tqdm=False
+            )
+        except Exception:
+            self._abort_unfinished()
+            raise
         spec_decode = self.spec_decode_counters() - before
         completions = [completion for output in outputs for completion in output.outputs]
         completion_logprobs = None
@@ -240,6 +251,12 @@ class VLLMRolloutEngine:
             logprobs=completion_logprobs,
             spec_decode=spec_decode,
         )
+
+    def _abort_unfinished(self) -> None:
+        """A generation that failed inside vLLM leaves its requests scheduled and holding KV blocks, so the prefix cache
+        could not be reset at the next sync and every later sync would fail: drop them."""
+        engine = self.llm.llm_engine
+        engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     def set_num_speculative_tokens(self, k: int) -> None:
         """Draft ``k`` tokens per step in the next calls, from 0 (plain decoding) to the engine's

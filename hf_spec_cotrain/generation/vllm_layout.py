@@ -158,6 +158,8 @@ class ModelLayout:
     tie_word_embeddings: bool
     # vLLM's model class, which tells a policy's names and layouts (`PolicyNames`).
     architecture: str = ""
+    # The model config's vocabulary (the target's, for a draft too): where a draft's `d2t` ids must point.
+    vocab_size: int | None = None
 
     def _split(self, vllm_name: str) -> tuple[str, str, str]:
         module_path, _, leaf = vllm_name.rpartition(".")

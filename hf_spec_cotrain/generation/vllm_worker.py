@@ -55,6 +55,7 @@ def _describe(model: torch.nn.Module, *, exclude: set[int]) -> ModelLayout:
         packed_modules={key: list(value) for key, value in getattr(model, "packed_modules_mapping", {}).items()},
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         architecture=type(model).__name__,
+        vocab_size=getattr(config, "vocab_size", None),
     )
 
 

@@ -4,8 +4,14 @@ The trainer hands it the taps of each policy forward; it runs the draft's TTT on
 gradients), steps the draft's optimizer after the policy's (gradients averaged over the replicas, clipped, the step
 skipped when anything is non-finite), logs the ``draft/*`` metrics and holds the draft's checkpoint state. Nothing
 here touches the policy: no gradient crosses from the draft to the policy or back.
+
+The draft heals: the last draft that passed `Eagle3DraftModel.validate_weights` after an update (weights and optimizer
+state, in host memory: one copy of each) is restored whenever the draft fails it, at the start of every step (before
+rollouts use it or an engine receives it) and after every update. Restores that keep failing stop speculation for the
+rest of the run, loudly, rather than failing every step.
 """
 
+import copy
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -23,6 +29,9 @@ from .timing import StepTimes
 
 
 logger = logging.get_logger(__name__)
+
+# Restores without a good update in between after which the run stops speculating (the draft keeps training).
+RESTORES_BEFORE_STOPPING = 3
 
 
 def seeded_generator(*key: int, device=None) -> torch.Generator:
@@ -72,6 +81,10 @@ class DraftCoTrainer:
             num_training_steps=max(1, args.max_steps if args.max_steps > 0 else 10**9),
         )
         self.skipped_steps = 0
+        self.restored_steps = 0
+        self.speculating = True  # False once the draft kept failing: rollouts are plain for the rest of the run
+        self._restores_in_a_row = 0
+        self._last_good = self._snapshot()
         self.micro_batch = 0  # micro-batches of this step so far (`rows_to_train` draws per micro-batch)
         self._recorded: list[RecordedTaps] = []
         self._micro_metrics: list[torch.Tensor] = []
@@ -191,7 +204,60 @@ class DraftCoTrainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._has_nonfinite = False
+        if self.heal(step=step):
+            self._last_good, self._restores_in_a_row = self._snapshot(), 0
         self._log_metrics(grad_norm)
+
+    # ------------------------------------------------------------------ healing
+
+    def heal(self, *, step: int) -> bool:
+        """Restore the last good draft if this one fails `validate_weights` (on any rank: every replica restores);
+        True when the draft was good as it stood."""
+        problem = self._draft_problem()
+        failed = torch.tensor(float(problem is not None), device=self.accelerator.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if self.owner_rank is None:
+                dist.all_reduce(failed)
+            else:
+                dist.broadcast(failed, src=self.owner_rank)
+        if failed.item() == 0:
+            return True
+        self._restore(step, problem or "another replica's draft is unusable")
+        return False
+
+    def _draft_problem(self) -> str | None:
+        try:
+            self.draft.validate_weights()
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _snapshot(self) -> dict:
+        return {
+            "draft": _on_host(self.draft.state_dict()),
+            "optimizer": _on_host(self.optimizer.state_dict()),
+        }
+
+    def _restore(self, step: int, problem: str) -> None:
+        """The last good weights and optimizer state; the learning rate stays the scheduler's (it counts steps)."""
+        self.draft.load_state_dict(self._last_good["draft"])
+        self.optimizer.load_state_dict(copy.deepcopy(self._last_good["optimizer"]))
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.restored_steps += 1
+        self._restores_in_a_row += 1
+        if self.restored_steps == 1:
+            logger.warning(
+                f"Step {step}: {problem} The draft was restored to the last good one (weights and optimizer state); "
+                "later restores are counted in draft/restored without a warning."
+            )
+        if self.speculating and self._restores_in_a_row >= RESTORES_BEFORE_STOPPING:
+            self.speculating = False
+            logger.error(
+                f"Step {step}: the draft had to be restored {self._restores_in_a_row} times without a good update in "
+                "between: rollouts are plain for the rest of this run (draft/speculation_stopped); the draft keeps "
+                "training and is saved as the last good one."
+            )
 
     def _log_metrics(self, grad_norm: torch.Tensor) -> None:
         if not self._micro_metrics:
@@ -216,6 +282,8 @@ class DraftCoTrainer:
         metrics["draft/grad_norm"].append(float(grad_norm))
         metrics["draft/lr"].append(self.scheduler.get_last_lr()[0])
         metrics["draft/skipped_steps"].append(float(self.skipped_steps))
+        metrics["draft/restored"].append(float(self.restored_steps))
+        metrics["draft/speculation_stopped"].append(float(not self.speculating))
 
     # ------------------------------------------------------------------ checkpoint state
 
@@ -224,12 +292,26 @@ class DraftCoTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "restored_steps": self.restored_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
+        self.restored_steps = state.get("restored_steps", 0)  # checkpoints written before healing existed
+        self._last_good = self._snapshot()
+
+
+def _on_host(state):
+    """A copy of a (nested) state dict with every tensor on the CPU: the last good draft costs no accelerator memory."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: _on_host(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_host(value) for value in state)
+    return copy.deepcopy(state)
 
 
 class DraftUpdateCallback(TrainerCallback):
@@ -237,6 +319,10 @@ class DraftUpdateCallback(TrainerCallback):
 
     def __init__(self, cotrainer: DraftCoTrainer):
         self.cotrainer = cotrainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.cotrainer.heal(step=state.global_step)  # before this step's rollouts use the draft or sync it
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         self.cotrainer.micro_batch = 0
