@@ -147,6 +147,6 @@ def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engi
     policy_dir = save_tiny_target(tmp_path / "gpt-oss", "gpt_oss", num_layers=8)
     with pytest.raises(
         ValueError,
-        match=r"engine cannot take this gpt_oss policy's weights.*model\.embed_tokens\.weight.*speculative_decoding=False",
+        match=r"engine cannot take this gpt_oss policy's weights.*model\.embed_tokens\.weight.*use_vllm=False \(the HF-native generator\) serves it",
     ):
         _trainer(policy_dir, tmp_path)
