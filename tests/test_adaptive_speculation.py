@@ -254,19 +254,37 @@ def test_measured_speedup_needs_both_plain_and_speculative_rounds():
 
 
 def test_whole_calls_go_the_way_measured_faster_and_the_other_way_now_and_then():
-    model = AdaptiveSpeculation(2, calls_between_probes=3)
+    model = AdaptiveSpeculation(2, calls_between_probes=3, max_calls_between_probes=12)
     routes = []
-    for _ in range(10):
+    for _ in range(40):
         plain = model.prefers_plain(4)
         routes.append(plain)
         model.observe_call(4, plain=plain, seconds=1.0, num_tokens=100 if plain else 150)  # speculation wins
-    assert routes == [False, True] + [False] * 3 + [True] + [False] * 3 + [True]
+    # every probe that confirms the winner doubles the gap to the next one, up to the maximum
+    assert [i for i, plain in enumerate(routes) if plain] == [1, 5, 12, 25, 38]
     assert model.prefers_plain(64) is False  # another bucket starts over
+
+
+def test_a_change_of_winner_restarts_the_probing_gap():
+    model = AdaptiveSpeculation(2, calls_between_probes=2, max_calls_between_probes=16)
+    routes = []
+    for call in range(30):
+        plain = model.prefers_plain(4)
+        routes.append(plain)
+        speculative_tokens = 150 if call < 12 else 50  # from call 12 on, the draft no longer pays
+        model.observe_call(4, plain=plain, seconds=1.0, num_tokens=100 if plain else speculative_tokens)
+    assert [i for i, plain in enumerate(routes[:12]) if plain] == [1, 4, 9]  # gaps 2, 4, then 8
+    # the speculative calls themselves show the loss (no probe needed): plain wins from call 14, and the probes of
+    # speculation start again at the smallest gap
+    assert routes[12:14] == [False, False] and all(routes[14:16])
+    assert [i for i, plain in enumerate(routes[14:], start=14) if not plain] == [16, 21]
 
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="max_speculative_tokens"):
         AdaptiveSpeculation(0)
+    with pytest.raises(ValueError, match="max_calls_between_probes"):
+        AdaptiveSpeculation(2, calls_between_probes=8, max_calls_between_probes=4)
     with pytest.raises(ValueError, match="smoothing"):
         AdaptiveSpeculation(3, smoothing=0)
     with pytest.raises(ValueError, match="num_speculative_tokens"):

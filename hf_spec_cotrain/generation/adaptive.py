@@ -111,6 +111,7 @@ class _Bucket:
     seconds: dict[int, _Smoothed] = field(default_factory=dict)  # K -> seconds per round, as measured
     calls: dict[bool, _Smoothed] = field(default_factory=dict)  # plain? -> tokens per second of whole calls
     calls_since_probe: int = 0
+    calls_between_probes: int = 8  # the current gap between two probes of the slower route
 
 
 class AdaptiveSpeculation:
@@ -127,7 +128,9 @@ class AdaptiveSpeculation:
         prior_strength: pseudo-drafts by which a position's acceptance leans towards the position before it
             (the first position towards ``prior_acceptance``).
         calls_between_probes: of the calls `prefers_plain` sends to the faster route (plain or speculative) in a
-            row, every one after this many takes the other route, to re-measure it.
+            row, every one after this many takes the other route, to re-measure it. Each probe that confirms the
+            faster route doubles the gap, up to ``max_calls_between_probes``; a change of winner starts it over.
+        max_calls_between_probes: the longest gap between two probes.
         call_smoothing: weight of a call's tokens per second in its route's moving average.
     """
 
@@ -143,6 +146,7 @@ class AdaptiveSpeculation:
         prior_acceptance: float = 0.5,
         prior_strength: float = 2.0,
         calls_between_probes: int = 8,
+        max_calls_between_probes: int = 32,
         call_smoothing: float = 0.3,
     ):
         self.max_speculative_tokens = check_int(max_speculative_tokens, "max_speculative_tokens")
@@ -167,6 +171,12 @@ class AdaptiveSpeculation:
         self._accepted = [0.0] * max_speculative_tokens
         self._buckets: dict[int, _Bucket] = {}
         self.calls_between_probes = check_int(calls_between_probes, "calls_between_probes")
+        self.max_calls_between_probes = check_int(
+            max_calls_between_probes,
+            "max_calls_between_probes",
+            minimum=self.calls_between_probes,
+            hint=" (at least `calls_between_probes`)",
+        )
         self.call_smoothing = call_smoothing
 
     # ------------------------------------------------------------------ the choice
@@ -190,15 +200,17 @@ class AdaptiveSpeculation:
         Decided on whole calls as measured (`observe_call`), not on the round model: a call also pays its prefill,
         cache compactions and the loop's bookkeeping, and the speculative generator's own plain rounds cost more
         than ``generate``'s steps. The first call of a bucket speculates (it measures the Ks), the second decodes
-        plainly; then the route of the higher measured tokens per second wins, and every
-        ``calls_between_probes + 1``-th call takes the other one, so a draft that came to pay (or stopped paying)
-        is noticed."""
+        plainly; then the route of the higher measured tokens per second wins, and after every
+        ``calls_between_probes`` calls one takes the other route, so a draft that came to pay is noticed. The
+        gap doubles with every probe that confirms the winner (a probe of a route measured twice as slow costs
+        half a call) and starts over when the winner changes (a winner that gets slower needs no probe: its own
+        calls show it)."""
         bucket = self._bucket(batch_size)
         if False not in bucket.calls or True not in bucket.calls:
             return False in bucket.calls  # speculate first, then measure plain decoding
-        plain_wins = bucket.calls[True].value > bucket.calls[False].value
+        plain_wins = _plain_wins(bucket)
         bucket.calls_since_probe += 1
-        if bucket.calls_since_probe > self.calls_between_probes:
+        if bucket.calls_since_probe > bucket.calls_between_probes:
             bucket.calls_since_probe = 0
             return not plain_wins
         return plain_wins
@@ -207,7 +219,14 @@ class AdaptiveSpeculation:
         """A whole call of ``batch_size`` rows, decoded plainly or speculatively: its tokens per second."""
         if seconds > 0 and num_tokens:
             bucket = self._bucket(batch_size)
+            winner = _plain_wins(bucket) if len(bucket.calls) == 2 else None
             _feed(bucket.calls, plain, num_tokens / seconds, self.call_smoothing, bucket.rounds, self.first_rounds)
+            if winner is None:
+                return
+            if _plain_wins(bucket) != winner:  # a probe overturned the winner, or the winner's own calls did
+                bucket.calls_between_probes, bucket.calls_since_probe = self.calls_between_probes, 0
+            elif plain != winner:  # a probe that confirmed it
+                bucket.calls_between_probes = min(2 * bucket.calls_between_probes, self.max_calls_between_probes)
 
     def _exploration(self, bucket: _Bucket) -> int | None:
         """``K_max``, 0 and 1 first (the ends of the curve, and the K that tells whether drafting pays at all),
@@ -304,10 +323,17 @@ class AdaptiveSpeculation:
             self._accepted[i] = memory * self._accepted[i] + a
 
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self._buckets.setdefault(batch_bucket(batch_size), _Bucket())
+        key = batch_bucket(batch_size)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(calls_between_probes=self.calls_between_probes)
+        return self._buckets[key]
 
     def _ks(self) -> range:
         return range(self.max_speculative_tokens + 1)
+
+
+def _plain_wins(bucket: _Bucket) -> bool:
+    return bucket.calls[True].value > bucket.calls[False].value
 
 
 def _feed(
