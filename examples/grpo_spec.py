@@ -154,7 +154,7 @@ def embedded_assets(script: ScriptArguments, seed: int) -> tuple[Path, Path, Dat
     generator = torch.Generator().manual_seed(seed)
     prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
     settings = {
-        "version": 4,
+        "version": 5,
         "sft_steps": script.sft_steps,
         "warm_start_steps": script.warm_start_steps,
         "warm_start_samples": script.warm_start_samples,
@@ -190,10 +190,10 @@ def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
     """A tiny Llama trained to continue the chain's sequences (prompt: 4 letters and ':', then 128 letters)."""
     policy = build_tiny_target(
         "llama",
-        num_layers=8,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_layers=12,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         head_dim=32,
         intermediate_size=256,
         tokenizer=tokenizer,
