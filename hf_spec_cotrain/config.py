@@ -1,5 +1,6 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -8,6 +9,9 @@ from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.dims import ParallelDims
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
+
+
+VLLM_MODES = ("colocate", "server")
 
 
 @dataclass
@@ -73,7 +77,8 @@ class SpecCoTrainConfig(GRPOConfig):
             cost model of this machine and policy (`AdaptiveSpeculation`: the policy's forward time at the live
             batch size, the draft's step time, the live acceptance per draft position). Rollouts follow the same law
             whatever K runs, but with `"auto"` they are not reproducible bit for bit, since K depends on measured
-            time. HF-native rollouts adapt per round; vLLM ones run K = `max_speculative_tokens`.
+            time. HF-native rollouts adapt per round; vLLM ones run K = `max_speculative_tokens`. A K above
+            `ttt_steps` warns: the draft never trained on proposals past step `ttt_steps`.
         max_speculative_tokens (`int`, *optional*, defaults to `5`):
             Largest K with `num_speculative_tokens="auto"`.
         draft_sampling (`str`, *optional*):
@@ -257,6 +262,25 @@ class SpecCoTrainConfig(GRPOConfig):
             raise ValueError(
                 "`draft_max_grad_norm`, `draft_warmup_steps` and `draft_weight_decay` must be >= 0; got "
                 f"{self.draft_max_grad_norm}, {self.draft_warmup_steps}, {self.draft_weight_decay}."
+            )
+        if self.vllm_mode not in VLLM_MODES:
+            raise ValueError(
+                f"`vllm_mode`={self.vllm_mode!r} is not allowed: TRL would take it for 'colocate'. Choose 'colocate' "
+                "(vLLM in the training process) or 'server' (a separate `hf-spec-cotrain vllm-serve`)."
+            )
+        if self.max_draft_tokens > self.ttt_steps:
+            asked = (
+                f"`max_speculative_tokens`={self.max_speculative_tokens} (with `num_speculative_tokens='auto'`)"
+                if self.num_speculative_tokens == "auto"
+                else f"`num_speculative_tokens`={self.num_speculative_tokens}"
+            )
+            warnings.warn(
+                f"{asked} lets the draft propose up to {self.max_draft_tokens} tokens in a row, but it is trained on "
+                f"only `ttt_steps`={self.ttt_steps} unrolled steps: its proposals past step {self.ttt_steps} come "
+                f"from inputs it never saw in training and are rarely accepted. Set `ttt_steps` to at least "
+                f"{self.max_draft_tokens}, or propose at most {self.ttt_steps} tokens.",
+                UserWarning,
+                stacklevel=3,
             )
         if self.draft_sampling is not None and self.draft_sampling not in DRAFT_SAMPLING_METHODS:
             raise ValueError(

@@ -6,6 +6,8 @@ tools) are `ParallelDims.from_config`'s, in tests/test_parallel_dims.py; the tra
 tests/test_packed_rows.py.
 """
 
+import warnings
+
 import pytest
 from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig
@@ -67,12 +69,34 @@ def test_config_rejects_bad_ttt_options(tmp_path):
     [
         ({"num_speculative_tokens": 0}, "num_speculative_tokens`=0"),
         ({"draft_sampling": "eager"}, "draft_sampling`='eager'"),
+        ({"vllm_mode": "bogus"}, r"vllm_mode`='bogus'.*take it for 'colocate'.*'colocate'.*'server'"),
         # HF-native speculative rollouts sample with temperature, top_p and top_k only.
         ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
     ],
 )
 def test_config_rejects_bad_speculative_rollout_options(tmp_path, options, match):
     _rejected(tmp_path, options, match)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"num_speculative_tokens": 4}, "`num_speculative_tokens`=4"),
+        ({"num_speculative_tokens": "auto", "max_speculative_tokens": 5}, "`max_speculative_tokens`=5"),
+        ({"num_speculative_tokens": 3}, None),
+        ({"num_speculative_tokens": "auto", "max_speculative_tokens": 3}, None),
+        ({"num_speculative_tokens": 5, "ttt_steps": 5}, None),
+    ],
+)
+def test_config_warns_once_when_the_draft_proposes_past_its_ttt_steps(tmp_path, options, named):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _config(tmp_path, **options)
+    about_ttt = [str(w.message) for w in caught if "ttt_steps" in str(w.message)]
+    if named is None:
+        assert about_ttt == []
+    else:
+        assert len(about_ttt) == 1 and named in about_ttt[0] and "only `ttt_steps`=3" in about_ttt[0]
 
 
 # --- Context parallelism -----------------------------------------------------------------------------------------
