@@ -1,7 +1,8 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
+import copy
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from trl import GRPOConfig
 
@@ -12,6 +13,9 @@ from .validation import check_int
 
 
 VLLM_MODES = ("colocate", "server")
+# Fields that hold credentials: `repr`/`str`, `to_dict`/`to_json_string` (the arguments logged and written to the
+# Hub) and pickles (`training_args.bin` in every checkpoint) show `<FIELD_NAME>` in their place when they are set.
+_SECRET_FIELDS = ("hub_token",)
 
 
 @dataclass
@@ -299,6 +303,34 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`speculative_decoding=False`."
             )
         ParallelDims.from_config(self)
+
+    def _masked_secrets(self) -> dict[str, str]:
+        return {name: f"<{name.upper()}>" for name in _SECRET_FIELDS if getattr(self, name, None) is not None}
+
+    def __str__(self) -> str:
+        shown = asdict(self) | self._masked_secrets()
+        lines = "".join(f"{name}={value},\n" for name, value in sorted(shown.items()))
+        return f"{type(self).__name__}(\n{lines})"
+
+    __repr__ = __str__
+
+    def to_dict(self) -> dict:
+        return super().to_dict() | self._masked_secrets()
+
+    def __getstate__(self) -> dict:
+        """Pickles (``training_args.bin``) hold placeholders for the secrets; copies keep them (`__deepcopy__`)."""
+        return self.__dict__ | self._masked_secrets()
+
+    def __copy__(self):
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo):
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     @property
     def max_draft_tokens(self) -> int:
