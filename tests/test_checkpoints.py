@@ -77,9 +77,10 @@ def test_a_kill_inside_a_draft_write_leaves_a_complete_checkpoint_to_resume(
 
 
 def test_resume_from_a_checkpoint_without_a_draft_is_an_error(tiny_policy_dir, tmp_path, caplog):
-    build_trainer(tiny_policy_dir, tmp_path, max_steps=2, save_draft=False).train()
+    build_trainer(tiny_policy_dir, tmp_path, max_steps=2, save_draft=False, hub_token="hf_SeCrEt").train()
     checkpoint = tmp_path / "checkpoint-2"
     assert (checkpoint / "trainer_state.json").is_file() and not (checkpoint / "draft").exists()
+    assert b"hf_SeCrEt" not in (checkpoint / "training_args.bin").read_bytes()  # the config masks it when pickled
     with pytest.raises(ValueError, match=r"checkpoint-2 .*has no draft, draft_training_state\.pt(.|\n)*save_draft"):
         build_trainer(tiny_policy_dir, tmp_path).train(resume_from_checkpoint=str(checkpoint))
     # A run that does not save its draft resumes with a fresh one, and says so.
