@@ -1,6 +1,8 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
-from dataclasses import dataclass, field
+import copy
+import warnings
+from dataclasses import asdict, dataclass, field
 
 from trl import GRPOConfig
 
@@ -8,6 +10,12 @@ from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.dims import ParallelDims
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
+
+
+VLLM_MODES = ("colocate", "server")
+# Fields that hold credentials: `repr`/`str`, `to_dict`/`to_json_string` (the arguments logged and written to the
+# Hub) and pickles (`training_args.bin` in every checkpoint) show `<FIELD_NAME>` in their place when they are set.
+_SECRET_FIELDS = ("hub_token",)
 
 
 @dataclass
@@ -73,7 +81,8 @@ class SpecCoTrainConfig(GRPOConfig):
             cost model of this machine and policy (`AdaptiveSpeculation`: the policy's forward time at the live
             batch size, the draft's step time, the live acceptance per draft position). Rollouts follow the same law
             whatever K runs, but with `"auto"` they are not reproducible bit for bit, since K depends on measured
-            time. HF-native rollouts adapt per round; vLLM ones run K = `max_speculative_tokens`.
+            time. HF-native rollouts adapt per round; vLLM ones run K = `max_speculative_tokens`. A K above
+            `ttt_steps` warns: the draft never trained on proposals past step `ttt_steps`.
         max_speculative_tokens (`int`, *optional*, defaults to `5`):
             Largest K with `num_speculative_tokens="auto"`.
         draft_sampling (`str`, *optional*):
@@ -258,6 +267,25 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`draft_max_grad_norm`, `draft_warmup_steps` and `draft_weight_decay` must be >= 0; got "
                 f"{self.draft_max_grad_norm}, {self.draft_warmup_steps}, {self.draft_weight_decay}."
             )
+        if self.vllm_mode not in VLLM_MODES:
+            raise ValueError(
+                f"`vllm_mode`={self.vllm_mode!r} is not allowed: TRL would take it for 'colocate'. Choose 'colocate' "
+                "(vLLM in the training process) or 'server' (a separate `hf-spec-cotrain vllm-serve`)."
+            )
+        if self.max_draft_tokens > self.ttt_steps:
+            asked = (
+                f"`max_speculative_tokens`={self.max_speculative_tokens} (with `num_speculative_tokens='auto'`)"
+                if self.num_speculative_tokens == "auto"
+                else f"`num_speculative_tokens`={self.num_speculative_tokens}"
+            )
+            warnings.warn(
+                f"{asked} lets the draft propose up to {self.max_draft_tokens} tokens in a row, but it is trained on "
+                f"only `ttt_steps`={self.ttt_steps} unrolled steps: its proposals past step {self.ttt_steps} come "
+                f"from inputs it never saw in training and are rarely accepted. Set `ttt_steps` to at least "
+                f"{self.max_draft_tokens}, or propose at most {self.ttt_steps} tokens.",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.draft_sampling is not None and self.draft_sampling not in DRAFT_SAMPLING_METHODS:
             raise ValueError(
                 f"`draft_sampling`={self.draft_sampling!r} is not allowed: choose one of {DRAFT_SAMPLING_METHODS}."
@@ -275,6 +303,34 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`speculative_decoding=False`."
             )
         ParallelDims.from_config(self)
+
+    def _masked_secrets(self) -> dict[str, str]:
+        return {name: f"<{name.upper()}>" for name in _SECRET_FIELDS if getattr(self, name, None) is not None}
+
+    def __str__(self) -> str:
+        shown = asdict(self) | self._masked_secrets()
+        lines = "".join(f"{name}={value},\n" for name, value in sorted(shown.items()))
+        return f"{type(self).__name__}(\n{lines})"
+
+    __repr__ = __str__
+
+    def to_dict(self) -> dict:
+        return super().to_dict() | self._masked_secrets()
+
+    def __getstate__(self) -> dict:
+        """Pickles (``training_args.bin``) hold placeholders for the secrets; copies keep them (`__deepcopy__`)."""
+        return self.__dict__ | self._masked_secrets()
+
+    def __copy__(self):
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo):
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     @property
     def max_draft_tokens(self) -> int:

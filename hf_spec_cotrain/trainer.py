@@ -12,7 +12,9 @@ The trainer holds three components and wires them into TRL's hooks:
   parallelism (`PipelineParallelStep`), chosen by the `ParallelDims` of the run; None under data parallelism,
   where TRL's own ``training_step`` runs.
 
-Checkpoints hold the draft (a vLLM-loadable folder) and its optimizer and scheduler state.
+Checkpoints hold the draft (a vLLM-loadable folder) and its optimizer and scheduler state, written before
+transformers marks the checkpoint complete and deletes old ones; resuming from a checkpoint without them is an error
+(`hf_spec_cotrain.training.checkpoints`).
 """
 
 import os
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_model
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.data_utils import apply_chat_template, is_conversational
 from trl.models import unwrap_model_for_generation
@@ -32,14 +35,14 @@ from .draft import Eagle3DraftModel, count_tokens
 from .hub import push_draft_folder, render_draft_card
 from .parallel.dims import ParallelDims
 from .taps import TapRecorder
+from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback, RecordedTaps
 from .training.rollouts import RolloutSampling, SpeculativeRollouts, build_rollout_engine
 from .training.steps import ContextParallelStep, PipelineParallelStep
 from .training.timing import StepTimes, StepTimesCallback
 
 
-DRAFT_FOLDER = "draft"
-DRAFT_STATE_FILE = "draft_training_state.pt"
+logger = logging.get_logger(__name__)
 
 
 class SpecCoTrainGRPOTrainer(GRPOTrainer):
@@ -55,6 +58,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "hf_spec_cotrain", "eagle3"]
+    _saving_checkpoint = False  # True inside `_save_checkpoint`: `save_model` then writes the draft too
 
     def __init__(self, model, reward_funcs=None, args: SpecCoTrainConfig | None = None, *, draft_model=None, **kwargs):
         if args is None:
@@ -329,42 +333,55 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints, saving, the Hub
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.args.save_draft and self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            self.save_draft(folder / DRAFT_FOLDER)
-            state = {**self.draft_cotrainer.state_dict(), "acceptance_history": self.rollouts.acceptance_history}
-            torch.save(state, folder / DRAFT_STATE_FILE)
+        # The draft is written inside `save_model`, the first write of transformers' checkpoint (see
+        # training/checkpoints.py): before the trainer state marks the checkpoint complete and old ones are deleted.
+        self._saving_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_checkpoint = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not isinstance(self.parallel_step, PipelineParallelStep):
-            return super().save_model(output_dir, _internal_call)
-        # Every rank streams its stage; rank 0 saves the full policy (and its draft is now the last stage's).
-        self.parallel_step.sync_rollout_weights()
-        if self.args.should_save:
-            stage, self.model = self.model, self.parallel_step.rollout_policy
-            try:
-                super().save_model(output_dir, _internal_call)
-            finally:
-                self.model = stage
+            super().save_model(output_dir, _internal_call)
+        else:
+            # Every rank streams its stage; rank 0 saves the full policy (and its draft is now the last stage's).
+            self.parallel_step.sync_rollout_weights()
+            if self.args.should_save:
+                stage, self.model = self.model, self.parallel_step.rollout_policy
+                try:
+                    super().save_model(output_dir, _internal_call)
+                finally:
+                    self.model = stage
+        if self._saving_checkpoint and self.args.save_draft and self.args.should_save:
+            self._save_draft_checkpoint(Path(output_dir))
+
+    def _save_draft_checkpoint(self, folder: Path) -> None:
+        """The draft and its training state, each renamed into place once written whole."""
+        self.save_draft(folder / DRAFT_FOLDER)
+        state = {**self.draft_cotrainer.state_dict(), "acceptance_history": self.rollouts.acceptance_history}
+        write_atomically(folder / DRAFT_STATE_FILE, lambda path: torch.save(state, path))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or not (Path(checkpoint) / DRAFT_FOLDER).is_dir():
+        if checkpoint is None:
+            return
+        if not (Path(checkpoint) / DRAFT_FOLDER).is_dir():  # `train` refused this unless `save_draft=False`
+            logger.warning(
+                f"{checkpoint} holds no draft (it was written with `save_draft=False`): the resumed run starts from a "
+                "fresh draft, with a fresh optimizer."
+            )
             return
         loaded = Eagle3DraftModel.from_pretrained(Path(checkpoint) / DRAFT_FOLDER)
         self.draft.load_state_dict(loaded.state_dict())
-        state_file = Path(checkpoint) / DRAFT_STATE_FILE
-        if state_file.exists():
-            state = torch.load(state_file, map_location="cpu", weights_only=True)
-            self.draft_cotrainer.load_state_dict(state)
-            self.rollouts.acceptance_history = [tuple(item) for item in state["acceptance_history"]]
+        state = torch.load(Path(checkpoint) / DRAFT_STATE_FILE, map_location="cpu", weights_only=True)
+        self.draft_cotrainer.load_state_dict(state)
+        self.rollouts.acceptance_history = [tuple(item) for item in state["acceptance_history"]]
 
     def save_draft(self, folder: str | os.PathLike, *, repo_id: str | None = None) -> Path:
         """Write the draft as a vLLM-loadable folder, with its model card (README.md)."""
         folder = Path(folder)
         self.draft.validate_weights(what=f"The draft to save in {folder}")  # healed every step: a bug if it fails
-        self.draft.save_pretrained(folder)
         card = render_draft_card(
             self.draft,
             skipped_steps=self.draft_cotrainer.skipped_steps,
@@ -377,7 +394,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             step_weight_decay=self.args.ttt_step_weight_decay,
             num_speculative_tokens=self.args.max_draft_tokens,
         )
-        (folder / "README.md").write_text(card, encoding="utf-8")
+
+        def write(temporary: Path) -> None:
+            self.draft.save_pretrained(temporary)
+            (temporary / "README.md").write_text(card, encoding="utf-8")
+
+        write_atomically(folder, write)
         return folder
 
     def push_draft_to_hub(self, repo_id: str | None = None, *, private: bool | None = None):
@@ -406,6 +428,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 f"`resume_from_checkpoint`={resume_from_checkpoint!r}: resuming is not supported under pipeline "
                 "parallelism yet (a checkpoint holds the full policy, but only the first stage's optimizer state)."
             )
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True and Path(self.args.output_dir).is_dir():
+            checkpoint = get_last_checkpoint(self.args.output_dir)  # as transformers resolves it
+        if isinstance(checkpoint, str | os.PathLike):
+            check_resumable(checkpoint, draft=self.args.save_draft)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         if pipeline and self.args.save_draft:
             self.parallel_step.sync_rollout_weights()  # the last stage's draft reaches rank 0, which saves it

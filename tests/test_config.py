@@ -6,7 +6,13 @@ tools) are `ParallelDims.from_config`'s, in tests/test_parallel_dims.py; the tra
 tests/test_packed_rows.py.
 """
 
+import copy
+import io
+import json
+import warnings
+
 import pytest
+import torch
 from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig
 
@@ -67,12 +73,34 @@ def test_config_rejects_bad_ttt_options(tmp_path):
     [
         ({"num_speculative_tokens": 0}, "num_speculative_tokens`=0"),
         ({"draft_sampling": "eager"}, "draft_sampling`='eager'"),
+        ({"vllm_mode": "bogus"}, r"vllm_mode`='bogus'.*take it for 'colocate'.*'colocate'.*'server'"),
         # HF-native speculative rollouts sample with temperature, top_p and top_k only.
         ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
     ],
 )
 def test_config_rejects_bad_speculative_rollout_options(tmp_path, options, match):
     _rejected(tmp_path, options, match)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"num_speculative_tokens": 4}, "`num_speculative_tokens`=4"),
+        ({"num_speculative_tokens": "auto", "max_speculative_tokens": 5}, "`max_speculative_tokens`=5"),
+        ({"num_speculative_tokens": 3}, None),
+        ({"num_speculative_tokens": "auto", "max_speculative_tokens": 3}, None),
+        ({"num_speculative_tokens": 5, "ttt_steps": 5}, None),
+    ],
+)
+def test_config_warns_once_when_the_draft_proposes_past_its_ttt_steps(tmp_path, options, named):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _config(tmp_path, **options)
+    about_ttt = [str(w.message) for w in caught if "ttt_steps" in str(w.message)]
+    if named is None:
+        assert about_ttt == []
+    else:
+        assert len(about_ttt) == 1 and named in about_ttt[0] and "only `ttt_steps`=3" in about_ttt[0]
 
 
 # --- Context parallelism -----------------------------------------------------------------------------------------
@@ -145,3 +173,34 @@ def test_config_accepts_pipeline_options():
     assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
     # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).
     assert SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, beta=0.04).pipeline_parallel_size == 1
+
+
+# --- Secrets -----------------------------------------------------------------------------------------------------
+
+
+def test_the_hub_token_never_shows_in_repr_saved_arguments_or_pickles_but_copies_keep_it(tmp_path):
+    config = _config(tmp_path, hub_token="hf_SeCrEt")
+    shown = {
+        "repr": repr(config),
+        "str": str(config),
+        "json": config.to_json_string(),
+        "training_args.bin": _pickled(config),  # what transformers writes into every checkpoint
+    }
+    for where, text in shown.items():
+        assert "hf_SeCrEt" not in text, where
+    assert json.loads(config.to_json_string())["hub_token"] == "<HUB_TOKEN>"
+    assert torch.load(io.BytesIO(_pickled(config).encode("latin-1")), weights_only=False).hub_token == "<HUB_TOKEN>"
+    assert copy.deepcopy(config).hub_token == copy.copy(config).hub_token == config.hub_token == "hf_SeCrEt"
+
+
+def test_secret_fields_are_one_list_to_extend(tmp_path, monkeypatch):
+    monkeypatch.setattr("hf_spec_cotrain.config._SECRET_FIELDS", ("hub_token", "hub_model_id"))
+    config = _config(tmp_path, hub_model_id="me/private-run")
+    for text in (repr(config), config.to_json_string(), _pickled(config)):
+        assert "me/private-run" not in text and "<HUB_MODEL_ID>" in text
+
+
+def _pickled(config) -> str:
+    buffer = io.BytesIO()
+    torch.save(config, buffer)
+    return buffer.getvalue().decode("latin-1")

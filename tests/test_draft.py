@@ -1,6 +1,7 @@
 """The EAGLE-3 draft: construction from a target, vocabulary maps, checkpoint files, loading, validation."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -179,6 +180,15 @@ def test_refuses_pickled_checkpoints(tmp_path):
         Eagle3DraftModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="use_safetensors=False"):
         Eagle3DraftModel.from_pretrained(tmp_path, use_safetensors=False)
+
+
+def test_a_path_that_is_neither_a_folder_nor_a_hub_id_is_named_as_such(tmp_path):
+    missing = tmp_path / "no-such-draft"
+    with pytest.raises(FileNotFoundError, match=rf"no such folder: {re.escape(str(missing))}\).*nor a Hub repo id"):
+        Eagle3DraftModel.from_pretrained(missing)
+    (tmp_path / "model.safetensors").touch()
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        Eagle3DraftModel.from_pretrained(tmp_path / "model.safetensors")
 
 
 def test_bad_construction_arguments():

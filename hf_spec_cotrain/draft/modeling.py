@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
@@ -222,6 +224,7 @@ class Eagle3DraftModel(PreTrainedModel):
         if kwargs.get("use_safetensors") is False:
             raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
         kwargs["use_safetensors"] = True
+        _check_folder_or_repo_id(pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
         draft, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -473,6 +476,23 @@ class Eagle3DraftModel(PreTrainedModel):
         return Eagle3DraftOutput(
             logits=self.compute_logits(hidden_states), hidden_states=hidden_states, past_key_values=past_key_values
         )
+
+
+def _check_folder_or_repo_id(name) -> None:
+    """A name that is no local folder goes to the Hub; when it cannot be a repo id either, say so in words (rather than
+    huggingface_hub's "Repo id must be in the form ...")."""
+    if os.path.isdir(name):
+        return
+    try:
+        validate_repo_id(os.fspath(name))
+    except HFValidationError:
+        path = Path(name).resolve()
+        problem = f"{path} is a file, not a folder" if path.exists() else f"no such folder: {path}"
+        raise FileNotFoundError(
+            f"The draft checkpoint {os.fspath(name)!r} is neither a local folder ({problem}) nor a Hub repo id "
+            "('name' or 'namespace/name'). Pass the folder `save_pretrained` wrote (config.json and safetensors "
+            "weights), or a Hub repo id."
+        ) from None
 
 
 def _checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> list[str]:

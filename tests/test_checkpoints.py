@@ -1,0 +1,118 @@
+"""Crash-safe checkpoints: the draft and its training state are written before transformers writes the trainer state
+and rotates old checkpoints, each under a temporary name renamed into place; a kill inside either write leaves the
+previous checkpoint complete, and resuming from an incomplete checkpoint is an error that names what it lacks."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kill_during_save import KILLED_AT_STEP, build_trainer
+
+from hf_spec_cotrain.training.checkpoints import write_atomically
+
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPLETE = ("draft/model.safetensors", "draft/config.json", "draft/README.md", "draft_training_state.pt")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_policy_dir, tmp_path_factory):
+    """The run the kill interrupts, to its end without a kill or a checkpoint."""
+    trainer = build_trainer(tiny_policy_dir, tmp_path_factory.mktemp("uninterrupted"), save_strategy="no")
+    trainer.train()
+    return trainer
+
+
+def _killed_run(policy_dir, output_dir: Path, write: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    script = ROOT / "tests" / "kill_during_save.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), str(policy_dir), str(output_dir), write],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == -signal.SIGKILL, completed.stderr[-3000:]
+
+
+def _assert_equal_states(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("write", ["draft", "draft_state"])
+def test_a_kill_inside_a_draft_write_leaves_a_complete_checkpoint_to_resume(
+    tiny_policy_dir, tmp_path, uninterrupted, write
+):
+    _killed_run(tiny_policy_dir, tmp_path, write)
+    previous, interrupted = tmp_path / "checkpoint-2", tmp_path / f"checkpoint-{KILLED_AT_STEP}"
+    for name in (*COMPLETE, "trainer_state.json"):  # not rotated away: the new checkpoint never completed
+        assert (previous / name).is_file(), name
+    lacking = "draft" if write == "draft" else "draft_training_state.pt"
+    assert not (interrupted / lacking).exists()  # no half-written file under the name that resuming reads
+    assert not (interrupted / "trainer_state.json").exists()
+
+    with pytest.raises(ValueError, match=rf"checkpoint-{KILLED_AT_STEP}.*{lacking}(.|\n)*Resume from .*checkpoint-2"):
+        build_trainer(tiny_policy_dir, tmp_path).train(resume_from_checkpoint=True)
+
+    resumed = build_trainer(tiny_policy_dir, tmp_path)
+    resumed.train(resume_from_checkpoint=str(previous))
+    _assert_equal_states(resumed.model.state_dict(), uninterrupted.model.state_dict())
+    _assert_equal_states(resumed.draft.state_dict(), uninterrupted.draft.state_dict())
+    for actual, expected in zip(
+        resumed.draft_optimizer.state_dict()["state"].values(),
+        uninterrupted.draft_optimizer.state_dict()["state"].values(),
+        strict=True,
+    ):
+        _assert_equal_states(actual, expected)
+    for name in (*COMPLETE, "trainer_state.json"):  # the resumed run wrote the interrupted checkpoint whole
+        assert (interrupted / name).is_file(), name
+
+
+def test_resume_from_a_checkpoint_without_a_draft_is_an_error(tiny_policy_dir, tmp_path, caplog):
+    build_trainer(tiny_policy_dir, tmp_path, max_steps=2, save_draft=False, hub_token="hf_SeCrEt").train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / "trainer_state.json").is_file() and not (checkpoint / "draft").exists()
+    assert b"hf_SeCrEt" not in (checkpoint / "training_args.bin").read_bytes()  # the config masks it when pickled
+    with pytest.raises(ValueError, match=r"checkpoint-2 .*has no draft, draft_training_state\.pt(.|\n)*save_draft"):
+        build_trainer(tiny_policy_dir, tmp_path).train(resume_from_checkpoint=str(checkpoint))
+    # A run that does not save its draft resumes with a fresh one, and says so.
+    resumed = build_trainer(tiny_policy_dir, tmp_path, max_steps=3, save_draft=False)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert "starts from a fresh draft" in caplog.text and str(checkpoint) in caplog.text
+    assert resumed.draft_cotrainer.scheduler.last_epoch == 1  # one draft update since the resume
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_write_atomically_keeps_the_old_version_when_the_write_fails(tmp_path, kind):
+    path = tmp_path / "target"
+
+    def write(content: str, *, fail: bool = False):
+        def into(temporary: Path):
+            file = temporary / "weights" if kind == "folder" else temporary
+            file.parent.mkdir(exist_ok=True)
+            file.write_text(content[:2] if fail else content)
+            if fail:
+                raise OSError("disk full")
+
+        return into
+
+    def read():
+        return (path / "weights" if kind == "folder" else path).read_text()
+
+    write_atomically(path, write("old"))
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(path, write("new", fail=True))
+    assert read() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # the failed write's temporary is removed
+    (tmp_path / ".target.tmp").mkdir()  # what a kill mid-write leaves: the next write removes it
+    write_atomically(path, write("new"))
+    assert read() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
