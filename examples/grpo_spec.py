@@ -455,6 +455,7 @@ EMBEDDED_DEFAULTS = dict(
     draft_warmup_steps=10,
     num_speculative_tokens="auto",
     max_speculative_tokens=5,
+    ttt_steps=5,  # the draft trained on every position it proposes
     draft_train_fraction=0.5,
     vllm_max_model_length=SEED_LENGTH + 1 + COMPLETION_LENGTH + 7,  # with --use_vllm: prompt + completion + slack
 )

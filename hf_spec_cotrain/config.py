@@ -281,7 +281,8 @@ class SpecCoTrainConfig(GRPOConfig):
             warnings.warn(
                 f"{asked} lets the draft propose up to {self.max_draft_tokens} tokens in a row, but it is trained on "
                 f"only `ttt_steps`={self.ttt_steps} unrolled steps: its proposals past step {self.ttt_steps} come "
-                f"from inputs it never saw in training and are rarely accepted. Set `ttt_steps` to at least "
+                f"from inputs it never saw in training, and are accepted less the further they go (the logged "
+                f"`spec/accepted_per_position_k` shows whether they pay). Set `ttt_steps` to at least "
                 f"{self.max_draft_tokens}, or propose at most {self.ttt_steps} tokens.",
                 UserWarning,
                 stacklevel=3,
