@@ -1,6 +1,8 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -8,6 +10,11 @@ from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.dims import ParallelDims
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
+
+
+# Fields that hold credentials: masked in `repr`, in `to_dict` (saved `*.json` arguments, loggers' hyperparameters)
+# and in pickles (every checkpoint's `training_args.bin`, which `push_to_hub` uploads).
+_SECRET_FIELDS = ("hub_token", "vllm_server_api_key")
 
 
 @dataclass
@@ -94,6 +101,14 @@ class SpecCoTrainConfig(GRPOConfig):
             Push the co-trained draft, with its model card, to the Hub at the end of training.
         draft_hub_model_id (`str`, *optional*):
             Hub repository of the draft. Defaults to `<hub_model_id or output_dir name>-eagle3`.
+
+        > Parameters that control the rollout server (`vllm_mode="server"`)
+
+        vllm_server_api_key (`str`, *optional*):
+            API key of the ``hf-spec-cotrain vllm-serve`` server. Defaults to the ``HF_SPEC_COTRAIN_API_KEY``
+            environment variable. Like `hub_token`, it never appears in `repr`, saved arguments or checkpoints. A
+            server that restarts mid-run gets the policy and the draft pushed again; one that cannot be reached for
+            `vllm_server_timeout` seconds stops the run with an error (resume from the last checkpoint).
 
         > Parameters that control context parallelism
 
@@ -196,6 +211,12 @@ class SpecCoTrainConfig(GRPOConfig):
     draft_hub_model_id: str | None = field(
         default=None, metadata={"help": "Hub repository of the draft (default: <hub_model_id>-eagle3)."}
     )
+    vllm_server_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "API key of the rollout server (default: the HF_SPEC_COTRAIN_API_KEY environment variable)."
+        },
+    )
     context_parallel_size: int = field(
         default=1,
         metadata={
@@ -275,6 +296,33 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`speculative_decoding=False`."
             )
         ParallelDims.from_config(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), **{name: f"<{name.upper()}>" for name in _SECRET_FIELDS}}
+
+    def __str__(self) -> str:
+        # transformers' format; the dataclass `repr` would show the secrets.
+        values = {item.name: getattr(self, item.name) for item in fields(self)}
+        values.update({name: f"<{name.upper()}>" for name in _SECRET_FIELDS})
+        lines = "".join(f"{key}={value},\n" for key, value in sorted(values.items()))
+        return f"{type(self).__name__}(\n{lines})"
+
+    __repr__ = __str__
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles (transformers writes one into every checkpoint) hold None for the secrets; copies keep them."""
+        return {**self.__dict__, **dict.fromkeys(_SECRET_FIELDS)}
+
+    def __copy__(self) -> "SpecCoTrainConfig":
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> "SpecCoTrainConfig":
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     @property
     def max_draft_tokens(self) -> int:
