@@ -6,6 +6,9 @@ tools) are `ParallelDims.from_config`'s, in tests/test_parallel_dims.py; the tra
 tests/test_packed_rows.py.
 """
 
+import copy
+import pickle
+
 import pytest
 from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig
@@ -73,6 +76,24 @@ def test_config_rejects_bad_ttt_options(tmp_path):
 )
 def test_config_rejects_bad_speculative_rollout_options(tmp_path, options, match):
     _rejected(tmp_path, options, match)
+
+
+def test_secrets_stay_out_of_repr_saved_arguments_and_pickles_but_copies_keep_them(tmp_path):
+    """The rollout server's key and the Hub token: masked in `repr`/`str`, in `to_dict` (JSON arguments, loggers'
+    hyperparameters) and in a pickle (transformers pickles the arguments into every checkpoint); a copy keeps them."""
+    key, token = "server-key-5be1", "hf_token_9a2c"
+    config = _config(tmp_path, vllm_server_api_key=key, hub_token=token)
+    for text in (repr(config), str(config), config.to_json_string(), str(config.to_sanitized_dict())):
+        assert key not in text and token not in text
+        assert "<VLLM_SERVER_API_KEY>" in text and "<HUB_TOKEN>" in text
+    assert "draft_learning_rate=0.001" in repr(config)  # the rest is shown
+    pickled = pickle.dumps(config)
+    assert key.encode() not in pickled and token.encode() not in pickled
+    loaded = pickle.loads(pickled)
+    assert loaded.vllm_server_api_key is None and loaded.hub_token is None
+    assert loaded.draft_learning_rate == config.draft_learning_rate
+    for copied in (copy.copy(config), copy.deepcopy(config)):
+        assert copied is not config and copied.vllm_server_api_key == key and copied.hub_token == token
 
 
 # --- Context parallelism -----------------------------------------------------------------------------------------
