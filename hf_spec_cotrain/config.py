@@ -1,8 +1,7 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
 import copy
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
 from trl import GRPOConfig
 
@@ -12,8 +11,8 @@ from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
 
 
-# Fields that hold credentials: masked in `repr`, in `to_dict` (saved `*.json` arguments, loggers' hyperparameters)
-# and in pickles (every checkpoint's `training_args.bin`, which `push_to_hub` uploads).
+# Fields that hold credentials: `repr`/`str`, `to_dict`/`to_json_string` (the arguments logged and written to the
+# Hub) and pickles (`training_args.bin` in every checkpoint) show `<FIELD_NAME>` in their place when they are set.
 _SECRET_FIELDS = ("hub_token", "vllm_server_api_key")
 
 
@@ -297,28 +296,29 @@ class SpecCoTrainConfig(GRPOConfig):
             )
         ParallelDims.from_config(self)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), **{name: f"<{name.upper()}>" for name in _SECRET_FIELDS}}
+    def _masked_secrets(self) -> dict[str, str]:
+        return {name: f"<{name.upper()}>" for name in _SECRET_FIELDS if getattr(self, name, None) is not None}
 
     def __str__(self) -> str:
-        # transformers' format; the dataclass `repr` would show the secrets.
-        values = {item.name: getattr(self, item.name) for item in fields(self)}
-        values.update({name: f"<{name.upper()}>" for name in _SECRET_FIELDS})
-        lines = "".join(f"{key}={value},\n" for key, value in sorted(values.items()))
+        shown = asdict(self) | self._masked_secrets()
+        lines = "".join(f"{name}={value},\n" for name, value in sorted(shown.items()))
         return f"{type(self).__name__}(\n{lines})"
 
     __repr__ = __str__
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickles (transformers writes one into every checkpoint) hold None for the secrets; copies keep them."""
-        return {**self.__dict__, **dict.fromkeys(_SECRET_FIELDS)}
+    def to_dict(self) -> dict:
+        return super().to_dict() | self._masked_secrets()
 
-    def __copy__(self) -> "SpecCoTrainConfig":
+    def __getstate__(self) -> dict:
+        """Pickles (``training_args.bin``) hold placeholders for the secrets; copies keep them (`__deepcopy__`)."""
+        return self.__dict__ | self._masked_secrets()
+
+    def __copy__(self):
         copied = object.__new__(type(self))
         copied.__dict__.update(self.__dict__)
         return copied
 
-    def __deepcopy__(self, memo: dict) -> "SpecCoTrainConfig":
+    def __deepcopy__(self, memo):
         copied = object.__new__(type(self))
         memo[id(self)] = copied
         copied.__dict__.update(copy.deepcopy(self.__dict__, memo))

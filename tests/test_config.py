@@ -90,7 +90,7 @@ def test_secrets_stay_out_of_repr_saved_arguments_and_pickles_but_copies_keep_th
     pickled = pickle.dumps(config)
     assert key.encode() not in pickled and token.encode() not in pickled
     loaded = pickle.loads(pickled)
-    assert loaded.vllm_server_api_key is None and loaded.hub_token is None
+    assert (loaded.vllm_server_api_key, loaded.hub_token) == ("<VLLM_SERVER_API_KEY>", "<HUB_TOKEN>")
     assert loaded.draft_learning_rate == config.draft_learning_rate
     for copied in (copy.copy(config), copy.deepcopy(config)):
         assert copied is not config and copied.vllm_server_api_key == key and copied.hub_token == token
