@@ -261,7 +261,9 @@ def _free_port() -> int:
 
 class _ServerProcess:
     """`hf-spec-cotrain vllm-serve` for a model folder (and a draft) through the real console command, on a port of
-    its own that it keeps across restarts; `api_key` goes through the environment variable."""
+    its own that it keeps across restarts; `api_key` goes through the environment variable. The environment is the
+    one at construction: a restart from inside a trainer must not hand the server the trainer's distributed
+    settings."""
 
     def __init__(self, model_dir: Path, log_dir: Path, *, draft_dir: Path | None = None, api_key: str | None = None):
         self.port = _free_port()
@@ -294,6 +296,9 @@ class _ServerProcess:
             "warning",
         ]
         self.command = command
+        self.env = {key: value for key, value in os.environ.items() if key != API_KEY_ENV}
+        if api_key is not None:
+            self.env[API_KEY_ENV] = api_key
         self.process: subprocess.Popen | None = None
 
     @property
@@ -304,12 +309,9 @@ class _ServerProcess:
         return VLLMServerClient(self.base_url, timeout=120.0, connect_timeout=5.0, api_key=self.api_key, **kwargs)
 
     def start(self) -> None:
-        env = {key: value for key, value in os.environ.items() if key != API_KEY_ENV}
-        if self.api_key is not None:
-            env[API_KEY_ENV] = self.api_key
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
             )
         client = self.new_client()
         deadline = time.monotonic() + STARTUP_TIMEOUT
