@@ -12,7 +12,9 @@ so that every version is served. Reported:
 * errors (goal: none): any request that failed;
 * mixed outputs (goal: none): answers whose completions are not exactly the greedy completions, computed with
   transformers, of the weights of the policy version the answer reports;
-* commit time (p50, max), from begin to the end of the commit.
+* commit time (p50, max, each), from begin to the end of the commit: the upload, the checks, the sync, the
+  read-back through vLLM's kernels and a few probe tokens, after the generations queued before it on the engine
+  thread; the first commit also reads the engine's weights as the rollback point.
 
     OMP_NUM_THREADS=2 python scripts/bench_server.py                 # 4 clients, 8 commits
     OMP_NUM_THREADS=2 python scripts/bench_server.py --clients 8 --commits 20 --json figures.json
@@ -62,6 +64,7 @@ class Figures:
     latency_max_s: float = float("nan")
     commit_p50_s: float = float("nan")
     commit_max_s: float = float("nan")
+    commit_s: list[float] = field(default_factory=list)  # each commit, in order
     wall_s: float = 0.0
     first_errors: list[str] = field(default_factory=list)
 
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Figures:
     target_dir = save_tiny_target(workdir / "target", "llama")
     model = AutoModelForCausalLM.from_pretrained(target_dir)
     draft_dir = workdir / "draft"
-    Eagle3DraftModel.from_target(model).save_pretrained(draft_dir)
+    Eagle3DraftModel.from_target(model, aux_layer_ids=(1, 3, 5)).save_pretrained(draft_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [[tokenizer.bos_token_id, *tokenizer(text).input_ids] for text in PROMPT_TEXTS]
     weights = {"original": {name: tensor.clone() for name, tensor in model.state_dict().items()}}
@@ -197,6 +200,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Figures:
         figures.latency_p50_s, figures.latency_p99_s = statistics.median(latencies), percentiles[98]
     figures.latency_max_s = max(latencies, default=float("nan"))
     figures.commit_p50_s, figures.commit_max_s = statistics.median(commit_seconds), max(commit_seconds)
+    figures.commit_s = commit_seconds
     return figures
 
 
@@ -220,6 +224,7 @@ def main() -> None:
         f"{figures.latency_max_s:.2f} s; commits p50 {figures.commit_p50_s:.2f} s, max {figures.commit_max_s:.2f} s; "
         f"errors {figures.errors}, mixed outputs {figures.mixed_outputs}"
     )
+    print("commits (s): " + ", ".join(f"{seconds:.2f}" for seconds in figures.commit_s))
     for error in figures.first_errors:
         print(f"  error: {error}")
     if args.json is not None:
