@@ -94,7 +94,12 @@ class VLLMServeScriptArguments:
     rejection_sample_method: str | None = field(
         default=None, metadata={"help": "vLLM's rejection_sample_method, e.g. 'standard'."}
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (the API has no authentication)."})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "Address to listen on; beyond loopback an API key (or --allow_unauthenticated) is required."
+        },
+    )
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
     dtype: str | None = field(
         default=None, metadata={"help": "vLLM dtype (default: float32 on CPU, vLLM's 'auto' on GPU)."}
@@ -117,6 +122,27 @@ class VLLMServeScriptArguments:
         default=600.0, metadata={"help": "Seconds without activity after which an open weight update is discarded."}
     )
     max_chunk_bytes: int = field(default=2**31, metadata={"help": "Largest weight-update chunk accepted (bytes)."})
+    max_open_transactions: int = field(
+        default=4, metadata={"help": "Weight updates open at once; more are refused (429)."}
+    )
+    max_staged_bytes: int | None = field(
+        default=None,
+        metadata={"help": "Bytes all open weight updates may stage (413/429 beyond); default: half of host memory."},
+    )
+    max_chunks: int = field(default=10_000, metadata={"help": "Chunks one weight update may have (413 beyond)."})
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Key every endpoint but /health requires (Authorization: Bearer). Prefer the environment "
+            "variable HF_SPEC_COTRAIN_API_KEY: a command-line argument is visible to other users of the machine."
+        },
+    )
+    allow_unauthenticated: bool = field(
+        default=False,
+        metadata={
+            "help": "Listen beyond loopback without an API key: anyone who reaches the port can update weights."
+        },
+    )
     log_level: str = field(default="info", metadata={"help": "Log level: critical, error, warning, info or debug."})
 
 
@@ -170,6 +196,9 @@ def vllm_serve_engine_kwargs(args: VLLMServeScriptArguments) -> dict:
 
 
 def vllm_serve_main(argv: list[str]) -> None:
+    import os
+
+    from .generation.client import API_KEY_ENV
     from .generation.server import serve
 
     (args,) = vllm_serve_parser().parse_args_and_config(argv)
@@ -183,6 +212,11 @@ def vllm_serve_main(argv: list[str]) -> None:
         port=args.port,
         transaction_timeout=args.transaction_timeout,
         max_chunk_bytes=args.max_chunk_bytes,
+        max_open_transactions=args.max_open_transactions,
+        max_staged_bytes=args.max_staged_bytes,
+        max_chunks=args.max_chunks,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        allow_unauthenticated=args.allow_unauthenticated,
         log_level=args.log_level,
     )
 

@@ -15,7 +15,7 @@ from .validation import check_int
 VLLM_MODES = ("colocate", "server")
 # Fields that hold credentials: `repr`/`str`, `to_dict`/`to_json_string` (the arguments logged and written to the
 # Hub) and pickles (`training_args.bin` in every checkpoint) show `<FIELD_NAME>` in their place when they are set.
-_SECRET_FIELDS = ("hub_token",)
+_SECRET_FIELDS = ("hub_token", "vllm_server_api_key")
 
 
 @dataclass
@@ -103,6 +103,14 @@ class SpecCoTrainConfig(GRPOConfig):
             Push the co-trained draft, with its model card, to the Hub at the end of training.
         draft_hub_model_id (`str`, *optional*):
             Hub repository of the draft. Defaults to `<hub_model_id or output_dir name>-eagle3`.
+
+        > Parameters that control the rollout server (`vllm_mode="server"`)
+
+        vllm_server_api_key (`str`, *optional*):
+            API key of the ``hf-spec-cotrain vllm-serve`` server. Defaults to the ``HF_SPEC_COTRAIN_API_KEY``
+            environment variable. Like `hub_token`, it never appears in `repr`, saved arguments or checkpoints. A
+            server that restarts mid-run gets the policy and the draft pushed again; one that cannot be reached for
+            `vllm_server_timeout` seconds stops the run with an error (resume from the last checkpoint).
 
         > Parameters that control context parallelism
 
@@ -204,6 +212,12 @@ class SpecCoTrainConfig(GRPOConfig):
     push_draft_to_hub: bool = field(default=False, metadata={"help": "Push the co-trained draft to the Hub."})
     draft_hub_model_id: str | None = field(
         default=None, metadata={"help": "Hub repository of the draft (default: <hub_model_id>-eagle3)."}
+    )
+    vllm_server_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "API key of the rollout server (default: the HF_SPEC_COTRAIN_API_KEY environment variable)."
+        },
     )
     context_parallel_size: int = field(
         default=1,

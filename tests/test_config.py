@@ -8,7 +8,7 @@ tests/test_packed_rows.py.
 
 import copy
 import io
-import json
+import pickle
 import warnings
 
 import pytest
@@ -178,19 +178,22 @@ def test_config_accepts_pipeline_options():
 # --- Secrets -----------------------------------------------------------------------------------------------------
 
 
-def test_the_hub_token_never_shows_in_repr_saved_arguments_or_pickles_but_copies_keep_it(tmp_path):
-    config = _config(tmp_path, hub_token="hf_SeCrEt")
-    shown = {
-        "repr": repr(config),
-        "str": str(config),
-        "json": config.to_json_string(),
-        "training_args.bin": _pickled(config),  # what transformers writes into every checkpoint
-    }
-    for where, text in shown.items():
-        assert "hf_SeCrEt" not in text, where
-    assert json.loads(config.to_json_string())["hub_token"] == "<HUB_TOKEN>"
-    assert torch.load(io.BytesIO(_pickled(config).encode("latin-1")), weights_only=False).hub_token == "<HUB_TOKEN>"
-    assert copy.deepcopy(config).hub_token == copy.copy(config).hub_token == config.hub_token == "hf_SeCrEt"
+def test_secrets_stay_out_of_repr_saved_arguments_and_pickles_but_copies_keep_them(tmp_path):
+    """The rollout server's key and the Hub token: masked in `repr`/`str`, in `to_dict` (JSON arguments, loggers'
+    hyperparameters) and in a pickle (transformers pickles the arguments into every checkpoint); a copy keeps them."""
+    key, token = "server-key-5be1", "hf_token_9a2c"
+    config = _config(tmp_path, vllm_server_api_key=key, hub_token=token)
+    for text in (repr(config), str(config), config.to_json_string(), str(config.to_sanitized_dict())):
+        assert key not in text and token not in text
+        assert "<VLLM_SERVER_API_KEY>" in text and "<HUB_TOKEN>" in text
+    assert "draft_learning_rate=0.001" in repr(config)  # the rest is shown
+    pickled = pickle.dumps(config)
+    assert key.encode() not in pickled and token.encode() not in pickled
+    loaded = pickle.loads(pickled)
+    assert (loaded.vllm_server_api_key, loaded.hub_token) == ("<VLLM_SERVER_API_KEY>", "<HUB_TOKEN>")
+    assert loaded.draft_learning_rate == config.draft_learning_rate
+    for copied in (copy.copy(config), copy.deepcopy(config)):
+        assert copied is not config and copied.vllm_server_api_key == key and copied.hub_token == token
 
 
 def test_secret_fields_are_one_list_to_extend(tmp_path, monkeypatch):

@@ -1,18 +1,21 @@
 """``hf-spec-cotrain vllm-serve`` and its client: rollouts, weight updates as transactions, and their failures.
 
 One server for the whole module, started as a subprocess through the real console command on 127.0.0.1 (tiny
-Llama target, reduced-vocabulary draft "a") and always stopped at the end. Every test that changes the server's
-weights puts the originals back, and every refused update is followed by a check that the server still produces
-exactly the rollouts (tokens and speculative counters) it produced when it started.
+Llama target, reduced-vocabulary draft "a", an API key from the environment, small staging limits) and always
+stopped at the end; one test restarts it. Every test that changes the server's weights puts the originals back, and
+every refused update is followed by a check that the server still produces exactly the rollouts (tokens and
+speculative counters) it produced when it started.
 """
 
 import hashlib
+import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,9 +29,20 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm_test_utils import hf_greedy, tiny_prompts
 
-from hf_spec_cotrain.cli import VLLMServeScriptArguments, vllm_serve_engine_kwargs
-from hf_spec_cotrain.generation.client import SHA256_HEADER, VLLMServerClient, VLLMServerError, iter_chunks
-from hf_spec_cotrain.generation.engine import RolloutOutput, SpecDecodeStats, SyncStats
+from hf_spec_cotrain.cli import VLLMServeScriptArguments, main, vllm_serve_engine_kwargs
+from hf_spec_cotrain.generation.client import (
+    API_KEY_ENV,
+    SHA256_HEADER,
+    VLLMServerClient,
+    VLLMServerError,
+    iter_chunks,
+)
+from hf_spec_cotrain.generation.engine import (
+    EngineUnavailableError,
+    RolloutOutput,
+    SpecDecodeStats,
+    SyncStats,
+)
 
 
 # Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.
@@ -37,6 +51,11 @@ STARTUP_TIMEOUT = 300.0
 # The rollout every check compares: a short prompt and one longer than a KV block (a prefix-cache hit), kept light
 # because the module runs one on a loaded 2-core machine after every update.
 ROLLOUT_TOKENS = 16
+# The module server's key (given through the environment) and staging limits: small, so that tests reach them.
+API_KEY = "test-key-3f9c2a71d0b84e65"
+MAX_OPEN_TRANSACTIONS = 2
+MAX_STAGED_BYTES = 32 * 2**20
+MAX_CHUNKS = 64
 
 
 def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
@@ -84,10 +103,73 @@ def test_weight_transactions_stage_replace_and_expire():
     time.sleep(0.3)
     assert transactions.describe() == []
     with pytest.raises(server_module.ServerError, match="expired after 0.2 s") as error:
-        transactions.take(transaction.id)
+        transactions.take(transaction.id, 1)
     assert error.value.status_code == 404
     with pytest.raises(server_module.ServerError, match="No open transaction nope"):
         transactions.abort("nope")
+
+
+def test_weight_transactions_refuse_beyond_their_limits():
+    """Open transactions, bytes (declared before a chunk is read) and chunks are bounded: 429 when others hold the
+    room, 413 when one transaction alone is too large; nothing is staged by a refused chunk."""
+    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
+    ServerError = server_module.ServerError
+    transactions = server_module.WeightTransactions(idle_timeout=60, max_open=2, max_staged_bytes=100, max_chunks=3)
+    first, second = transactions.begin("policy", 1), transactions.begin("draft", 1)
+    with pytest.raises(ServerError, match=r"2 weight updates are open.*max_open_transactions=2") as error:
+        transactions.begin("policy", 2)
+    assert error.value.status_code == 429
+    with pytest.raises(ServerError, match=r"over this server's max_staged_bytes=100") as error:
+        with transactions.reserving(first.id, 0, 101):
+            pass
+    assert error.value.status_code == 413
+    with transactions.reserving(first.id, 0, 60):
+        assert transactions.describe()[0]["bytes"] == 60  # counted while the body is being received
+        transactions.add_chunk(first.id, 0, {"x": torch.ones(15)}, 60)
+    with pytest.raises(ServerError, match=r"other open transactions hold 60") as error:
+        with transactions.reserving(second.id, 0, 50):
+            pass
+    assert error.value.status_code == 429
+    with pytest.raises(ServerError, match=r"Chunk index 3 is beyond this server's max_chunks=3") as error:
+        with transactions.reserving(first.id, 3, 1):
+            pass
+    assert error.value.status_code == 413
+    with pytest.raises(ServerError, match=r"num_chunks=10000000 is beyond .* stays open") as error:
+        transactions.take(first.id, 10**7)
+    assert error.value.status_code == 413
+    assert [entry["bytes"] for entry in transactions.describe()] == [60, 0]
+    with pytest.raises(ServerError, match=r"chunks \[1, 2\] never arrived"):
+        transactions.take(first.id, 3).merged(3)
+    transactions.begin("policy", 2)  # the taken transaction freed its place
+
+
+def test_serve_refuses_an_open_api_beyond_loopback(monkeypatch):
+    """Without a key, only a loopback bind or an explicit `allow_unauthenticated` gets as far as building the
+    engine."""
+    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
+
+    class EngineReached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise EngineReached
+
+    monkeypatch.setattr(server_module, "RolloutServer", reached)
+    for host in ("0.0.0.0", "10.1.2.3", "::", "trainer.example.org"):
+        with pytest.raises(ValueError, match=rf"--host {host} listens beyond this machine.*{API_KEY_ENV}"):
+            server_module.serve(engine_kwargs={}, host=host)
+    for kwargs in ({"host": "127.0.0.2"}, {"host": "::1"}, {"host": "0.0.0.0", "api_key": "k"}):
+        with pytest.raises(EngineReached):
+            server_module.serve(engine_kwargs={}, **kwargs)
+    with pytest.raises(EngineReached):
+        server_module.serve(engine_kwargs={}, host="0.0.0.0", allow_unauthenticated=True)
+    # the console command reads the key from the environment
+    monkeypatch.setenv(API_KEY_ENV, "from-the-environment")
+    with pytest.raises(EngineReached):
+        main(["vllm-serve", "--model", "unused", "--host", "0.0.0.0"])
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(ValueError, match="listens beyond this machine"):
+        main(["vllm-serve", "--model", "unused", "--host", "0.0.0.0"])
 
 
 class _EngineThatFailsOnSomeWeights:
@@ -124,11 +206,11 @@ def test_commit_whose_first_generation_fails_is_rolled_back():
     try:
         good = server.transactions.begin("policy", 1)
         server.transactions.add_chunk(good.id, 0, {"w": torch.ones(2)}, 8)
-        server.commit(server.transactions.take(good.id), 1)
+        server.commit(server.transactions.take(good.id, 1), 1)
         bad = server.transactions.begin("policy", 2)
         server.transactions.add_chunk(bad.id, 0, {"w": torch.full((2,), 13.0)}, 8)
         with pytest.raises(server_module.ServerError, match=r"IndexError: index 13 .* restored the previous policy"):
-            server.commit(server.transactions.take(bad.id), 1)
+            server.commit(server.transactions.take(bad.id, 1), 1)
         assert torch.equal(server.engine.weights["w"], torch.ones(2))
         assert server.health()["versions"]["policy"] == 1
     finally:
@@ -152,9 +234,16 @@ def test_vllm_serve_options_become_engine_arguments():
 
 def test_client_names_the_server_it_cannot_reach():
     port = _free_port()
-    client = VLLMServerClient(f"http://127.0.0.1:{port}", connect_timeout=1.0)
+    client = VLLMServerClient(f"http://127.0.0.1:{port}", connect_timeout=1.0, reconnect_timeout=1.0)
     with pytest.raises(TimeoutError, match=rf"http://127.0.0.1:{port} was not ready within 0.5 s"):
         client.wait_until_ready(timeout=0.5, poll_interval=0.1)
+    # Retried with backoff within the budget, then a clear error.
+    with pytest.raises(
+        EngineUnavailableError,
+        match=rf"GET /weights/version: the rollout server at http://127.0.0.1:{port} could not be reached in \d+ "
+        r"attempts over 1 s \(last: ConnectionError",
+    ):
+        client.weights_version()
     with pytest.raises(ValueError, match="chunk_bytes=0"):
         client.sync_weights("policy", [("x", torch.ones(1))], chunk_bytes=0)
     with pytest.raises(NotImplementedError, match="needs a CUDA device"):
@@ -170,16 +259,95 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+class _ServerProcess:
+    """`hf-spec-cotrain vllm-serve` for a model folder (and a draft) through the real console command, on a port of
+    its own that it keeps across restarts; `api_key` goes through the environment variable. The environment is the
+    one at construction: a restart from inside a trainer must not hand the server the trainer's distributed
+    settings."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, *, draft_dir: Path | None = None, api_key: str | None = None):
+        self.port = _free_port()
+        self.log_path = log_dir / "server.log"
+        self.api_key = api_key
+        executable = Path(sys.executable).with_name("hf-spec-cotrain")
+        command = [str(executable)] if executable.exists() else [sys.executable, "-m", "hf_spec_cotrain.cli"]
+        command += ["vllm-serve", "--model", str(model_dir)]
+        if draft_dir is not None:
+            command += ["--draft", str(draft_dir), "--num_speculative_tokens", "3"]
+        command += [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max_model_len",
+            "256",
+            # Small KV blocks let the test prompts hit the prefix cache, which every update must reset.
+            "--llm_kwargs",
+            json.dumps({"block_size": 32}),
+            "--transaction_timeout",
+            str(TRANSACTION_TIMEOUT),
+            "--max_open_transactions",
+            str(MAX_OPEN_TRANSACTIONS),
+            "--max_staged_bytes",
+            str(MAX_STAGED_BYTES),
+            "--max_chunks",
+            str(MAX_CHUNKS),
+            "--log_level",
+            "warning",
+        ]
+        self.command = command
+        self.env = {key: value for key, value in os.environ.items() if key != API_KEY_ENV}
+        if api_key is not None:
+            self.env[API_KEY_ENV] = api_key
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def new_client(self, **kwargs) -> VLLMServerClient:
+        return VLLMServerClient(self.base_url, timeout=120.0, connect_timeout=5.0, api_key=self.api_key, **kwargs)
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+            )
+        client = self.new_client()
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"vllm-serve exited with {self.process.returncode}:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                client.health()
+                return
+            except requests.ConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vllm-serve not ready in {STARTUP_TIMEOUT} s:\n{self.log_path.read_text()[-4000:]}")
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+
+
 @dataclass
 class ServerHandle:
-    client: VLLMServerClient
+    process: _ServerProcess
     target_dir: Path
     drafts: dict[str, dict[str, torch.Tensor]]
     prompts: list[list[int]]
     fresh_greedy: RolloutOutput = field(init=False)
 
     def __post_init__(self):
+        self.client = self.process.new_client()
         self.fresh_greedy = self.greedy()
+
+    def restart(self) -> None:
+        """Stop the server and start it again on the same port; `client` then talks to the new instance."""
+        self.process.stop()
+        self.process.start()
+        self.client = self.process.new_client()
 
     def greedy(self) -> RolloutOutput:
         return self.client.generate(self.prompts, max_tokens=ROLLOUT_TOKENS, temperature=0.0, ignore_eos=True)
@@ -208,59 +376,32 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @contextmanager
-def _serving(model_dir: Path, log_dir: Path, *, draft_dir: Path | None = None) -> Iterator[VLLMServerClient]:
-    """`hf-spec-cotrain vllm-serve` for a model folder (and a draft), through the real console command; stopped at
-    the end."""
-    port = _free_port()
-    log_path = log_dir / "server.log"
-    executable = Path(sys.executable).with_name("hf-spec-cotrain")
-    command = [str(executable)] if executable.exists() else [sys.executable, "-m", "hf_spec_cotrain.cli"]
-    command += ["vllm-serve", "--model", str(model_dir)]
-    if draft_dir is not None:
-        command += ["--draft", str(draft_dir), "--num_speculative_tokens", "3"]
-    command += [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max_model_len",
-        "256",
-        # Small KV blocks let the test prompts hit the prefix cache, which every update must reset.
-        "--llm_kwargs",
-        json.dumps({"block_size": 32}),
-        "--transaction_timeout",
-        str(TRANSACTION_TIMEOUT),
-        "--log_level",
-        "warning",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def _serving(model_dir: Path, log_dir: Path) -> Iterator[VLLMServerClient]:
+    """A server without a draft or key for one test; stopped at the end."""
+    process = _ServerProcess(model_dir, log_dir)
     try:
-        client = VLLMServerClient(f"http://127.0.0.1:{port}", timeout=120.0, connect_timeout=5.0)
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm-serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                client.health()
-                break
-            except requests.ConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm-serve not ready in {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
-                time.sleep(0.5)
-        yield client
+        process.start()
+        yield process.new_client()
     finally:
-        _stop(process)
+        process.stop()
 
 
 @pytest.fixture(scope="module")
 def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory) -> Iterator[ServerHandle]:
     vllm_engine_pool.close()  # one vLLM engine at a time: the pool's in-process engine goes first
     log_dir = tmp_path_factory.mktemp("vllm-serve")
-    with _serving(tiny_llama_dir, log_dir, draft_dir=tiny_llama_drafts.folders["reduced", "a"]) as client:
+    process = _ServerProcess(
+        tiny_llama_dir, log_dir, draft_dir=tiny_llama_drafts.folders["reduced", "a"], api_key=API_KEY
+    )
+    try:
+        process.start()
         drafts = {name: tiny_llama_drafts.state_dicts["reduced", name] for name in ("a", "b")}
         prompts = tiny_prompts(tiny_llama_dir)
-        yield ServerHandle(client=client, target_dir=tiny_llama_dir, drafts=drafts, prompts=[prompts[0], prompts[-1]])
+        yield ServerHandle(
+            process=process, target_dir=tiny_llama_dir, drafts=drafts, prompts=[prompts[0], prompts[-1]]
+        )
+    finally:
+        process.stop()
 
 
 @pytest.mark.vllm
@@ -487,7 +628,187 @@ def test_bad_generate_requests_are_refused_clearly(server):
         client.generate(server.prompts[:1], max_tokens=0)
     with pytest.raises(VLLMServerError, match=r"HTTP 400: Bad generate request: .*no_such_option"):
         client.generate(server.prompts[:1], max_tokens=4, no_such_option=1)
+    vocab_size = server.hf_target().config.vocab_size
+    for ids, shown in (
+        ([1, vocab_size], f"{vocab_size} \\(prompt 1, position 1"),
+        ([-1], "-1"),
+        ([5, 10**6], "1000000"),
+    ):
+        with pytest.raises(
+            VLLMServerError,
+            match=rf"HTTP 400: .*1 ids outside the policy's vocabulary \[0, {vocab_size}\), e.g. {shown}",
+        ):
+            client.generate([server.prompts[0], ids], max_tokens=4)
     assert client.health()["status"] == "ok"
+    server.assert_unchanged(client.weights_version())
+
+
+def _answer_to_headers(base_url: str, method: str, path: str, content_length: int, headers: dict) -> tuple[int, dict]:
+    """Send a request's headers, declaring a body of `content_length` bytes, and no body: a server that read the
+    body before answering would wait instead (and the socket time out)."""
+    connection = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=60)
+    try:
+        connection.putrequest(method, path)
+        for name, value in {**headers, "Content-Length": str(content_length)}.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.vllm
+def test_every_endpoint_but_health_needs_the_api_key(server):
+    """No key, a wrong one or another scheme: 401 with `WWW-Authenticate: Bearer`, before the body is read, and the
+    request does nothing. The key never reaches the server's log."""
+    client = server.client
+    versions = client.weights_version()
+    url = client.base_url
+    transaction = client._request("POST", "/weights/transactions", json={"target": "draft"})["transaction_id"]
+    chunk = save_safetensors(dict(server.drafts["b"]))
+    calls = [
+        ("GET", "/weights/version", {}),
+        ("GET", "/weights/transactions", {}),
+        ("POST", "/weights/transactions", {"json": {"target": "policy"}}),
+        ("POST", "/weights/check", {"json": {"target": "policy", "names": [], "shapes": []}}),
+        ("POST", "/generate", {"json": {"prompt_token_ids": server.prompts, "max_tokens": 4}}),
+        ("PUT", f"/weights/transactions/{transaction}/chunks/0", {"data": chunk}),
+        ("POST", f"/weights/transactions/{transaction}/commit", {"json": {"num_chunks": 1}}),
+        ("DELETE", f"/weights/transactions/{transaction}", {}),
+        ("GET", "/docs", {}),
+    ]
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {API_KEY}"}):
+            for method, path, kwargs in calls:
+                answer = requests.request(method, url + path, headers=headers, timeout=60, **kwargs)
+                assert answer.status_code == 401, (method, path, headers)
+                assert answer.headers["WWW-Authenticate"] == "Bearer"
+                assert "needs its API key: send `Authorization: Bearer <key>`" in answer.json()["error"]
+        status, answer = _answer_to_headers(url, "PUT", f"/weights/transactions/{transaction}/chunks/0", 10**12, {})
+        assert status == 401
+        assert requests.get(url + "/health", timeout=60).json()["status"] == "ok"
+        listed = client._request("GET", "/weights/transactions")["transactions"]
+        assert [(entry["transaction_id"], entry["chunks"]) for entry in listed] == [(transaction, [])]
+    finally:
+        client._request("DELETE", f"/weights/transactions/{transaction}")
+    assert API_KEY not in server.process.log_path.read_text()
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_staging_is_bounded_before_any_body_is_read(server):
+    """Past the open-transaction, staged-bytes or chunk limits the server answers 429 or 413 from the declared sizes
+    (the bodies are never sent here), and a huge `num_chunks` gets a short 413 at once."""
+    client = server.client
+    versions = client.weights_version()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def begin() -> str:
+        return client._request("POST", "/weights/transactions", json={"target": "policy"})["transaction_id"]
+
+    first, second = begin(), begin()
+    try:
+        with pytest.raises(VLLMServerError, match=r"HTTP 429: 2 weight updates are open"):
+            begin()
+        status, answer = _answer_to_headers(
+            client.base_url, "PUT", f"/weights/transactions/{first}/chunks/0", MAX_STAGED_BYTES + 1, auth
+        )
+        assert status == 413 and f"over this server's max_staged_bytes={MAX_STAGED_BYTES}" in answer["error"]
+        embed = server.hf_target().state_dict()["model.embed_tokens.weight"]
+        staged = save_safetensors({"model.embed_tokens.weight": embed})
+        client._request("PUT", f"/weights/transactions/{first}/chunks/0", data=staged)
+        status, answer = _answer_to_headers(
+            client.base_url,
+            "PUT",
+            f"/weights/transactions/{second}/chunks/0",
+            MAX_STAGED_BYTES - len(staged) + 1,
+            auth,
+        )
+        assert status == 429 and f"other open transactions hold {len(staged)} " in answer["error"]
+        status, answer = _answer_to_headers(
+            client.base_url, "PUT", f"/weights/transactions/{first}/chunks/{MAX_CHUNKS}", 100, auth
+        )
+        assert status == 413 and f"max_chunks={MAX_CHUNKS}" in answer["error"]
+        commit = client.session.post(
+            f"{client.base_url}/weights/transactions/{first}/commit", json={"num_chunks": 10**7}, timeout=60
+        )
+        assert commit.status_code == 413 and len(commit.content) < 500
+        listed = {
+            entry["transaction_id"]: entry for entry in client._request("GET", "/weights/transactions")["transactions"]
+        }
+        assert listed[first]["bytes"] == len(staged) and listed[second]["bytes"] == 0
+    finally:
+        for transaction in (first, second):
+            client._request("DELETE", f"/weights/transactions/{transaction}")
+    server.assert_unchanged(versions)
+
+
+@pytest.mark.vllm
+def test_generation_during_commits_sees_the_old_or_the_new_policy_never_a_mix(server):
+    """Two clients generate greedily without pause while the policy is committed four times, alternating two
+    weight sets whose greedy completions differ for every prompt: each answer is exactly the completion of the
+    weights of the version it reports (a prefix cache left from the other weights, or a half-applied update, would
+    give another). Each commit waits until an answer reports it, so both sets are served."""
+    client = server.client
+    before = client.weights_version()
+    model = server.hf_target()
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    perturbed = _perturbed(original, seed=11)
+    model.load_state_dict(perturbed)
+    completions = {
+        "original": server.fresh_greedy.completion_ids,
+        "perturbed": hf_greedy(model, server.prompts, ROLLOUT_TOKENS),
+    }
+    assert all(old != new for old, new in zip(completions["original"], completions["perturbed"]))
+    weights = {"original": original, "perturbed": perturbed}
+    schedule = [(before.policy + 1, "perturbed"), (before.policy + 2, "original"), (before.policy + 3, "perturbed")]
+    schedule.append((before.policy, "original"))  # back to where the module's other tests expect the server
+    weights_of_version = {before.policy: "original", **dict(schedule[:-1])}
+    answers: list[tuple[int, list[list[int]]]] = []
+    errors: list[BaseException] = []
+    seen = threading.Condition()
+    done = threading.Event()
+
+    def generate_until_done() -> None:
+        generator = server.process.new_client()
+        try:
+            while not done.is_set():
+                out = generator.generate(server.prompts, max_tokens=ROLLOUT_TOKENS, temperature=0.0, ignore_eos=True)
+                with seen:
+                    answers.append((out.versions.policy, out.completion_ids))
+                    seen.notify_all()
+        except BaseException as error:
+            errors.append(error)
+            with seen:
+                seen.notify_all()
+        finally:
+            generator.close()
+
+    threads = [threading.Thread(target=generate_until_done) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for version, name in schedule:
+            client.sync_weights("policy", weights[name].items(), version=version, chunk_bytes=200_000)
+            with seen:
+                start = len(answers)
+
+                def served(version=version, start=start) -> bool:
+                    return bool(errors) or any(served == version for served, _ in answers[start:])
+
+                # Bounded only so that a broken server fails the test instead of hanging it.
+                assert seen.wait_for(served, timeout=300)
+            assert not errors, errors
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors
+    assert {version for version, _ in answers} == set(weights_of_version)
+    for version, completion_ids in answers:
+        assert completion_ids == completions[weights_of_version[version]], version
+    server.assert_unchanged(before)
 
 
 @pytest.mark.vllm
@@ -514,6 +835,7 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=server.client.base_url,
+        vllm_server_api_key=API_KEY,
         draft_model_name_or_path=str(tiny_llama_drafts.folders["reduced", "a"]),
     )
     tokenizer = AutoTokenizer.from_pretrained(server.target_dir)
@@ -573,3 +895,88 @@ def test_moe_policy_updates_are_checked_rolled_back_and_followed(family, vllm_en
         assert update.num_chunks > 3
         model.load_state_dict(perturbed)
         assert greedy() == hf_greedy(model, prompts, ROLLOUT_TOKENS) != fresh
+
+
+@pytest.mark.vllm
+def test_trainer_survives_a_server_restart_and_stops_clearly_once_it_is_gone(server, tiny_llama_drafts, tmp_path):
+    """The server restarts between a step's push and its rollouts: the trainer pushes policy and draft again and the
+    rollouts come from them (not from the weights the server started with), without falling back. Then the server
+    is gone: after bounded retries the run stops with an error that says how to resume, and the checkpoints are
+    complete. The API key and the Hub token appear in no file the run wrote."""
+    from datasets import Dataset
+
+    from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+    from hf_spec_cotrain.generation.client import WeightsVersion
+
+    hub_token = "hf_test_token_c81f2e"
+    config = SpecCoTrainConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        seed=1,
+        learning_rate=1e-3,
+        draft_warmup_steps=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.client.base_url,
+        vllm_server_api_key=API_KEY,
+        vllm_server_timeout=3.0,
+        hub_token=hub_token,
+        draft_model_name_or_path=str(tiny_llama_drafts.folders["reduced", "a"]),
+    )
+    trainer = SpecCoTrainGRPOTrainer(
+        model=str(server.target_dir),
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["def f(x):", "The quick", "import", "x = "]}),
+        processing_class=AutoTokenizer.from_pretrained(server.target_dir),
+    )
+    client = trainer.rollout_engine
+    real_generate = client.generate
+    served: list[tuple[int, WeightsVersion]] = []
+    restarts: list[int] = []
+    dead_url = f"http://127.0.0.1:{_free_port()}"
+
+    def generate(*args, **kwargs):
+        step = trainer.state.global_step
+        if step == 1 and not restarts:
+            restarts.append(step)
+            server.restart()
+        elif step == 2:
+            client.base_url = dead_url
+        out = real_generate(*args, **kwargs)
+        served.append((step, out.versions))
+        return out
+
+    client.generate = generate
+    try:
+        with pytest.raises(
+            EngineUnavailableError,
+            match=rf"could not be reached in \d+ attempts over 3 s .* Training stopped at step 2; the checkpoints "
+            rf"in {tmp_path} are as saved\. Once the server is back, resume with resume_from_checkpoint=True",
+        ):
+            trainer.train()
+        # Step 1's rollouts came from the weights pushed again into the restarted server (its versions start at 0).
+        assert [step for step, _ in served] == [0, 1]
+        assert served[1][1] == WeightsVersion(policy=1, draft=1)
+        assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
+        checkpoint = tmp_path / "checkpoint-2"
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+        for name in ("model.safetensors", "optimizer.pt", "draft/model.safetensors", "draft_training_state.pt"):
+            assert (checkpoint / name).is_file(), name
+        written = [path for path in tmp_path.rglob("*") if path.is_file()]
+        assert any(path.name == "training_args.bin" for path in written)
+        for path in written:
+            data = path.read_bytes()
+            assert API_KEY.encode() not in data and hub_token.encode() not in data, path
+    finally:
+        server.client.sync_weights("policy", server.hf_target().state_dict().items(), version=0)
+        server.client.sync_weights("draft", server.drafts["a"].items(), version=0)

@@ -19,6 +19,8 @@ _MODULE_OF = {
     "rejection_sample": "speculative",
     "residual_distribution": "speculative",
     "speculative_generate": "speculative",
+    "EngineRestartedError": "engine",
+    "EngineUnavailableError": "engine",
     "RolloutEngine": "engine",
     "RolloutOutput": "engine",
     "SpecDecodeStats": "engine",
@@ -33,6 +35,8 @@ _MODULE_OF = {
 __all__ = [
     "DRAFT_SAMPLING_METHODS",
     "AdaptiveSpeculation",
+    "EngineRestartedError",
+    "EngineUnavailableError",
     "FixedSpeculation",
     "SpeculationPolicy",
     "VLLM_INSTALL_HINT",
@@ -54,7 +58,15 @@ __all__ = [
 if TYPE_CHECKING:
     from .adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
     from .client import VLLMServerClient, VLLMServerError
-    from .engine import RolloutEngine, RolloutOutput, SpecDecodeStats, SyncStats, WeightSyncError
+    from .engine import (
+        EngineRestartedError,
+        EngineUnavailableError,
+        RolloutEngine,
+        RolloutOutput,
+        SpecDecodeStats,
+        SyncStats,
+        WeightSyncError,
+    )
     from .speculative import (
         DRAFT_SAMPLING_METHODS,
         SpeculativeOutput,

@@ -4,10 +4,15 @@ Weights travel as safetensors bytes (never pickle), in chunks of about `chunk_by
 the server: nothing is applied until every chunk has arrived and the commit succeeds, and a failed commit leaves
 the server on its previous weights. After `init_nccl` (GPU only, untested here) the tensors of each chunk travel
 over NCCL instead, in the same transaction.
+
+Requests that cannot connect are sent again, with backoff, for up to `reconnect_timeout` seconds, then raise
+`EngineUnavailableError`. A server that restarted (its ``X-Server-Instance`` header changed) holds the weights of its
+folders again: the call that finds it raises `EngineRestartedError`, so that the caller pushes its weights again.
 """
 
 import hashlib
 import math
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +23,19 @@ import requests
 import torch
 from safetensors.torch import save as save_safetensors
 
-from .engine import RolloutOutput, SpecDecodeStats, WeightSet, check_weight_set
+from .engine import (
+    EngineRestartedError,
+    EngineUnavailableError,
+    RolloutOutput,
+    SpecDecodeStats,
+    WeightSet,
+    check_weight_set,
+)
 
 
 __all__ = [
+    "API_KEY_ENV",
+    "INSTANCE_HEADER",
     "SHA256_HEADER",
     "ServerRolloutOutput",
     "VLLMServerClient",
@@ -33,6 +47,14 @@ __all__ = [
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 # The SHA-256 (hex) of a chunk's bytes, checked by the server: a truncated or altered chunk is refused.
 SHA256_HEADER = "X-Content-SHA256"
+# An id the server draws at every start, on every answer: a new one means the pushed weights were lost.
+INSTANCE_HEADER = "X-Server-Instance"
+# The API key of server and client when none is given (an environment variable stays out of `ps` and of saved
+# arguments).
+API_KEY_ENV = "HF_SPEC_COTRAIN_API_KEY"
+# Backoff between attempts to reach a server that refuses connections (restarting): doubling up to the cap.
+_FIRST_RETRY_DELAY = 0.5
+_MAX_RETRY_DELAY = 8.0
 # vLLM's default geometry for packed NCCL broadcasts; both sides must use the same.
 _NCCL_BUFFER_BYTES = 2**30
 _NCCL_NUM_BUFFERS = 2
@@ -82,28 +104,45 @@ class VLLMServerClient:
         base_url: The server, e.g. ``http://127.0.0.1:8000``.
         timeout: Seconds to wait for any answer (a generation or a commit can take a while).
         connect_timeout: Seconds to wait for a connection.
+        api_key: The server's API key; defaults to the ``HF_SPEC_COTRAIN_API_KEY`` environment variable. Sent as a
+            bearer token, kept nowhere else.
+        reconnect_timeout: Seconds during which a request that cannot connect is sent again, with backoff.
     """
 
     # One server serves every training process: only the main process pushes weights (`RolloutEngine`).
     shared_across_processes: ClassVar[bool] = True
 
     def __init__(
-        self, base_url: str = "http://127.0.0.1:8000", *, timeout: float = 600.0, connect_timeout: float = 10.0
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        api_key: str | None = None,
+        reconnect_timeout: float = 60.0,
     ):
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError(f"timeout={timeout} and connect_timeout={connect_timeout} must be positive (seconds).")
+        if timeout <= 0 or connect_timeout <= 0 or reconnect_timeout < 0:
+            raise ValueError(
+                f"timeout={timeout} and connect_timeout={connect_timeout} must be positive, reconnect_timeout="
+                f"{reconnect_timeout} at least 0 (seconds)."
+            )
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.reconnect_timeout = reconnect_timeout
         self.session = requests.Session()
+        api_key = api_key or os.environ.get(API_KEY_ENV)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._instance: str | None = None
         self._nccl_group = None
         self._nccl_device: torch.device | None = None
 
     # ----------------------------------------------------------------------------------- status
 
     def health(self) -> dict[str, Any]:
-        """The server's status; raises `VLLMServerError` (503) when it cannot serve rollouts."""
-        return self._request("GET", "/health", timeout=self.connect_timeout)
+        """The server's status; raises `VLLMServerError` (503) when it cannot serve rollouts. A probe: not retried."""
+        return self._request("GET", "/health", timeout=self.connect_timeout, retry=False)
 
     def wait_until_ready(self, timeout: float = 300.0, *, poll_interval: float = 1.0) -> dict[str, Any]:
         """Poll `health` until the server answers 200; raise TimeoutError with the last problem after `timeout` s."""
@@ -237,7 +276,9 @@ class VLLMServerClient:
     def _abort_quietly(self, transaction_id: str) -> None:
         """Free the server's staged chunks; a commit that was reached has already discarded them (404)."""
         try:
-            self._request("DELETE", f"/weights/transactions/{transaction_id}", timeout=self.connect_timeout)
+            self._request(
+                "DELETE", f"/weights/transactions/{transaction_id}", timeout=self.connect_timeout, retry=False
+            )
         except (requests.RequestException, VLLMServerError):
             pass
 
@@ -300,10 +341,30 @@ class VLLMServerClient:
 
     # ----------------------------------------------------------------------------------- plumbing
 
-    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs) -> dict[str, Any]:
-        response = self.session.request(
-            method, self.base_url + path, timeout=(self.connect_timeout, timeout or self.timeout), **kwargs
-        )
+    def _request(
+        self, method: str, path: str, *, timeout: float | None = None, retry: bool = True, **kwargs
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay, attempts = _FIRST_RETRY_DELAY, 0
+        while True:
+            attempts += 1
+            try:
+                response = self.session.request(
+                    method, self.base_url + path, timeout=(self.connect_timeout, timeout or self.timeout), **kwargs
+                )
+                break
+            except requests.ConnectionError as error:
+                if not retry:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise EngineUnavailableError(
+                        f"{method} {path}: the rollout server at {self.base_url} could not be reached in {attempts} "
+                        f"attempts over {self.reconnect_timeout:g} s (last: {type(error).__name__}: {error}). Is "
+                        "`hf-spec-cotrain vllm-serve` running at that address?"
+                    ) from error
+                time.sleep(delay)
+                delay = min(2 * delay, _MAX_RETRY_DELAY)
+        self._check_instance(response.headers.get(INSTANCE_HEADER), f"{method} {path}")
         if response.ok:
             return response.json()
         try:
@@ -315,6 +376,18 @@ class VLLMServerClient:
             f"{method} {path} on {self.base_url} failed with HTTP {response.status_code}: {reason}",
             status_code=response.status_code,
         )
+
+    def _check_instance(self, instance: str | None, request: str) -> None:
+        """Raise `EngineRestartedError` once when the server's instance differs from the one seen before."""
+        if instance is None:
+            return
+        seen, self._instance = self._instance, instance
+        if seen is not None and seen != instance:
+            raise EngineRestartedError(
+                f"The rollout server at {self.base_url} restarted (instance {seen[:8]} is now {instance[:8]}): it holds "
+                f"the weights of its folders again, not those pushed into it. {request} was not served; push the "
+                "policy and the draft again."
+            )
 
     def close(self) -> None:
         self.session.close()

@@ -14,6 +14,8 @@ import torch
 
 __all__ = [
     "WEIGHT_SETS",
+    "EngineRestartedError",
+    "EngineUnavailableError",
     "RolloutEngine",
     "RolloutOutput",
     "SpecDecodeStats",
@@ -37,6 +39,16 @@ def check_weight_set(which: str) -> None:
 
 class WeightSyncError(RuntimeError):
     """The engine's weights differ from what was sent, or a sync failed inside vLLM."""
+
+
+class EngineRestartedError(RuntimeError):
+    """The engine restarted (a rollout server) and holds the weights it started with, not those pushed into it:
+    push the policy and the draft again. The call that raised was not served."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine could not be reached within the bounded retries: a run should stop (and resume from its last
+    checkpoint) rather than go on without it."""
 
 
 @dataclass

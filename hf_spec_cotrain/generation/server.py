@@ -8,7 +8,7 @@ counters of a call. Here the engine runs in-process inside the server (one proce
 the same verified sync code serves the colocated trainer and the server.
 
 Endpoints (JSON; every error is ``{"error": "<message>"}`` with a 4xx/5xx status):
-    GET    /health                                      readiness, weights versions
+    GET    /health                                      readiness, weights versions (the only one open without a key)
     GET    /weights/version                             {"policy": int, "draft": int | null}
     POST   /generate                                    token-id prompts in; completions, logprobs, counters out
     POST   /weights/check                               {"target", "names", "shapes"}: would this set sync? (no data)
@@ -19,6 +19,18 @@ Endpoints (JSON; every error is ``{"error": "<message>"}`` with a 4xx/5xx status
     DELETE /weights/transactions/{id}                   abort
     GET    /weights/transactions                        open transactions (ids, sizes, idle time; no data)
     POST   /nccl/init                                   GPU: join the trainer's 2-rank NCCL group as rank 1
+
+Every answer carries the header ``X-Server-Instance``, an id drawn when the server starts: a client that sees it
+change knows the server restarted on the weights of its folders and pushes its own again.
+
+With an API key (``--api_key`` or the environment variable ``HF_SPEC_COTRAIN_API_KEY``), every endpoint but
+``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise), checked before the request's body is read. The
+server refuses to listen beyond loopback without a key unless told the API is open (``allow_unauthenticated``).
+
+Staging is bounded before memory or engine time is spent: open transactions (429 beyond ``max_open_transactions``),
+bytes staged, counted from each chunk's Content-Length before its body is read (413 when one transaction would exceed
+``max_staged_bytes``, 429 when the transactions together would), and chunk indices and ``num_chunks`` (413 beyond
+``max_chunks``).
 
 A weight update is one transaction: chunks are parsed, checked (names, shapes, no tensor twice) and staged in
 memory; nothing reaches vLLM before commit. Commit checks that chunks 0..N-1 all arrived and that they form the
@@ -42,14 +54,17 @@ transaction as HTTP chunks. It needs CUDA and is **untested here** (the project'
 
 import asyncio
 import hashlib
+import hmac
+import ipaddress
 import logging
+import os
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,13 +72,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from starlette.concurrency import run_in_threadpool
 
 from ..draft.checks import draft_tensor_problems, weight_problems
-from .client import SHA256_HEADER
+from .client import API_KEY_ENV, INSTANCE_HEADER, SHA256_HEADER
 from .engine import WeightSet, finite_or_none
 from .vllm_engine import VLLMRolloutEngine
 
@@ -74,7 +90,10 @@ logger = logging.getLogger(__name__)
 
 # Ids of expired transactions remembered so that a late chunk or commit hears "expired" rather than "unknown".
 _REMEMBERED_EXPIRED = 1024
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+DEFAULT_MAX_OPEN_TRANSACTIONS = 4
+DEFAULT_MAX_CHUNKS = 10_000
+# Ids listed in one error message at most (a commit may name up to `max_chunks` chunks).
+_LISTED_IDS = 10
 # Tokens generated after every commit: enough for the draft to propose and the policy to verify.
 _PROBE_TOKENS = 4
 
@@ -146,7 +165,13 @@ class _Transaction:
     version: int
     chunks: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     chunk_bytes: dict[int, int] = field(default_factory=dict)
+    # Bytes of chunks being received: counted against the limits before their bodies are read.
+    reserved_bytes: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.chunk_bytes.values()) + self.reserved_bytes
 
     def merged(self, num_chunks: int) -> dict[str, torch.Tensor]:
         """All staged tensors, after checking that exactly the chunks 0..num_chunks-1 arrived."""
@@ -154,9 +179,9 @@ class _Transaction:
         extra = sorted(set(self.chunks) - set(range(num_chunks)))
         problems = []
         if missing:
-            problems.append(f"chunks {missing} never arrived")
+            problems.append(f"chunks {_listed(missing)} never arrived")
         if extra:
-            problems.append(f"chunks {extra} arrived beyond num_chunks={num_chunks}")
+            problems.append(f"chunks {_listed(extra)} arrived beyond num_chunks={num_chunks}")
         if problems:
             raise ServerError(
                 400,
@@ -167,12 +192,30 @@ class _Transaction:
 
 class WeightTransactions:
     """Open weight-update transactions: chunks staged in memory until commit, dropped after `idle_timeout` seconds
-    without activity. Thread-safe."""
+    without activity, within limits on their number, their bytes (all together; default: half of this machine's
+    memory) and their chunks. Thread-safe."""
 
-    def __init__(self, *, idle_timeout: float):
-        if idle_timeout <= 0:
-            raise ValueError(f"idle_timeout={idle_timeout} must be positive (seconds).")
+    def __init__(
+        self,
+        *,
+        idle_timeout: float,
+        max_open: int = DEFAULT_MAX_OPEN_TRANSACTIONS,
+        max_staged_bytes: int | None = None,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ):
+        max_staged_bytes = _half_of_memory() if max_staged_bytes is None else max_staged_bytes
+        for name, value in (
+            ("idle_timeout", idle_timeout),
+            ("max_open_transactions", max_open),
+            ("max_staged_bytes", max_staged_bytes),
+            ("max_chunks", max_chunks),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive.")
         self.idle_timeout = idle_timeout
+        self.max_open = max_open
+        self.max_staged_bytes = max_staged_bytes
+        self.max_chunks = max_chunks
         self._open: dict[str, _Transaction] = {}
         self._expired: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
@@ -180,8 +223,49 @@ class WeightTransactions:
     def begin(self, target: WeightSet, version: int) -> _Transaction:
         transaction = _Transaction(id=uuid.uuid4().hex, target=target, version=version)
         with self._lock:
+            self._discard_expired()
+            if len(self._open) >= self.max_open:
+                raise ServerError(
+                    429,
+                    f"{len(self._open)} weight updates are open, this server's limit (max_open_transactions="
+                    f"{self.max_open}). Nothing was begun: commit or abort one (GET /weights/transactions lists them) "
+                    f"or wait for abandoned ones to expire ({self.idle_timeout:g} s without activity).",
+                )
             self._open[transaction.id] = transaction
         return transaction
+
+    @contextmanager
+    def reserving(self, transaction_id: str, index: int, num_bytes: int) -> Iterator[None]:
+        """Count a chunk of `num_bytes` (as declared before it is received) against the limits while it is received
+        and staged; refused with 413 or 429 when it does not fit, before any of it is read."""
+        with self._lock:
+            transaction = self._get(transaction_id)
+            if index >= self.max_chunks:
+                raise ServerError(
+                    413, f"Chunk index {index} is beyond this server's max_chunks={self.max_chunks}. Nothing staged."
+                )
+            own = transaction.num_bytes + num_bytes
+            others = sum(other.num_bytes for other in self._open.values() if other is not transaction)
+            if own > self.max_staged_bytes:
+                raise ServerError(
+                    413,
+                    f"Chunk {index} ({num_bytes} bytes) would bring transaction {transaction_id} to {own} bytes, over "
+                    f"this server's max_staged_bytes={self.max_staged_bytes}. Nothing staged; the server cannot hold "
+                    "this update (start it with a larger --max_staged_bytes).",
+                )
+            if own + others > self.max_staged_bytes:
+                raise ServerError(
+                    429,
+                    f"Chunk {index} ({num_bytes} bytes) does not fit: other open transactions hold {others} of this "
+                    f"server's max_staged_bytes={self.max_staged_bytes}. Nothing staged; send it again once they are "
+                    "committed or aborted.",
+                )
+            transaction.reserved_bytes += num_bytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                transaction.reserved_bytes -= num_bytes
 
     def get(self, transaction_id: str) -> _Transaction:
         with self._lock:
@@ -204,10 +288,17 @@ class WeightTransactions:
             transaction.chunk_bytes[index] = num_bytes
             transaction.last_activity = time.monotonic()
 
-    def take(self, transaction_id: str) -> _Transaction:
-        """Remove the transaction for commit: from now on it cannot expire, be aborted or take more chunks."""
+    def take(self, transaction_id: str, num_chunks: int) -> _Transaction:
+        """Remove the transaction for a commit of `num_chunks` chunks: from now on it cannot expire, be aborted or take
+        more chunks. A `num_chunks` over the limit is refused (413) and the transaction stays open."""
         with self._lock:
             transaction = self._get(transaction_id)
+            if num_chunks > self.max_chunks:
+                raise ServerError(
+                    413,
+                    f"num_chunks={num_chunks} is beyond this server's max_chunks={self.max_chunks}; nothing was "
+                    f"applied and transaction {transaction_id} stays open.",
+                )
             del self._open[transaction_id]
             return transaction
 
@@ -230,7 +321,7 @@ class WeightTransactions:
                     "target": transaction.target,
                     "version": transaction.version,
                     "chunks": sorted(transaction.chunks),
-                    "bytes": sum(transaction.chunk_bytes.values()),
+                    "bytes": transaction.num_bytes,
                     "idle_seconds": now - transaction.last_activity,
                 }
                 for transaction in self._open.values()
@@ -275,17 +366,30 @@ class _NcclReceiver:
 class RolloutServer:
     """The engine, its weights versions and rollback points, and the open transactions.
 
-    `build_engine` runs on the engine thread, which then runs every engine call.
+    `build_engine` runs on the engine thread, which then runs every engine call. `instance_id` is new at every start.
     """
 
     def __init__(
-        self, build_engine: Callable[[], VLLMRolloutEngine], *, transaction_timeout: float, max_chunk_bytes: int
+        self,
+        build_engine: Callable[[], VLLMRolloutEngine],
+        *,
+        transaction_timeout: float,
+        max_chunk_bytes: int,
+        max_open_transactions: int = DEFAULT_MAX_OPEN_TRANSACTIONS,
+        max_staged_bytes: int | None = None,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
     ):
         if max_chunk_bytes <= 0:
             raise ValueError(f"max_chunk_bytes={max_chunk_bytes} must be positive.")
+        self.transactions = WeightTransactions(
+            idle_timeout=transaction_timeout,
+            max_open=max_open_transactions,
+            max_staged_bytes=max_staged_bytes,
+            max_chunks=max_chunks,
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self.engine = self._executor.submit(build_engine).result()
-        self.transactions = WeightTransactions(idle_timeout=transaction_timeout)
+        self.instance_id = uuid.uuid4().hex
         self.max_chunk_bytes = max_chunk_bytes
         self.versions: dict[str, int | None] = {"policy": 0, "draft": 0 if self.engine.has_draft else None}
         self._rollback_points: dict[str, dict[str, torch.Tensor]] = {}
@@ -303,7 +407,31 @@ class RolloutServer:
     def health(self) -> dict[str, Any]:
         if self._broken:
             raise ServerError(503, "The server cannot serve rollouts: " + "; ".join(self._broken.values()))
-        return {"status": "ok", "has_draft": self.engine.has_draft, "versions": dict(self.versions)}
+        return {
+            "status": "ok",
+            "has_draft": self.engine.has_draft,
+            "versions": dict(self.versions),
+            "instance": self.instance_id,
+        }
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        """Refuse token ids outside the policy's vocabulary (400) before they reach the engine, where they fail
+        inside vLLM's kernels."""
+        vocab_size = self.engine.vocab_size
+        bad = [
+            (row, position, id_)
+            for row, ids in enumerate(prompts)
+            for position, id_ in enumerate(ids)
+            if not 0 <= id_ < vocab_size
+        ]
+        if bad:
+            row, position, id_ = bad[0]
+            raise ServerError(
+                400,
+                f"Bad generate request: prompt_token_ids hold {len(bad)} ids outside the policy's vocabulary "
+                f"[0, {vocab_size}), e.g. {id_} (prompt {row}, position {position}). Tokenize with the policy's "
+                "tokenizer.",
+            )
 
     # ----------------------------------------------------------------------------------- engine thread
 
@@ -494,14 +622,20 @@ class RolloutServer:
             device=self._nccl.device,
         )
         num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in received.values())
-        return self._stage(transaction_id, index, received, num_bytes)
+        # Checked once received: refusing earlier would leave the trainer blocked inside the broadcast.
+        with self.transactions.reserving(transaction_id, index, num_bytes):
+            return self._stage(transaction_id, index, received, num_bytes)
 
 
 # --------------------------------------------------------------------------------------- HTTP app
 
 
-def build_app(server: RolloutServer) -> FastAPI:
-    """The FastAPI app serving `server` (see the module docstring for the endpoints)."""
+def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `server` (see the module docstring for the endpoints); with `api_key`, every endpoint
+    but ``/health`` needs it as a bearer token."""
+    if api_key == "":
+        raise ValueError("api_key is empty: give a key, or None for an API without authentication.")
+    expected = None if api_key is None else api_key.encode()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -512,6 +646,25 @@ def build_app(server: RolloutServer) -> FastAPI:
             sweeper.cancel()
 
     app = FastAPI(title="hf-spec-cotrain rollout server", lifespan=lifespan)
+
+    # A middleware, not a dependency: FastAPI reads a request's body before solving its dependencies, and an
+    # unauthenticated client must not make the server hold a body in memory.
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next) -> Any:
+        if expected is not None and request.url.path != "/health":
+            scheme, credentials = get_authorization_scheme_param(request.headers.get("Authorization"))
+            if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.encode(), expected):
+                return JSONResponse(
+                    {
+                        "error": "This server needs its API key: send `Authorization: Bearer <key>` (the client's "
+                        f"api_key, or the {API_KEY_ENV} environment variable)."
+                    },
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        response = await call_next(request)
+        response.headers[INSTANCE_HEADER] = server.instance_id
+        return response
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, error: ServerError) -> JSONResponse:
@@ -541,6 +694,7 @@ def build_app(server: RolloutServer) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: GenerateRequest) -> dict:
+        server.check_prompts(request.prompt_token_ids)
         return await server.on_engine_thread(server.generate, request)
 
     @app.post("/weights/check")
@@ -573,14 +727,17 @@ def build_app(server: RolloutServer) -> FastAPI:
         length = request.headers.get("content-length")
         if length is None:
             raise ServerError(411, "A chunk needs a Content-Length header.")
+        if not length.isdigit():
+            raise ServerError(400, f"Content-Length {length!r} is not a number of bytes.")
         if int(length) > server.max_chunk_bytes:
             raise ServerError(
                 413, f"Chunk {index} has {length} bytes, over this server's max_chunk_bytes={server.max_chunk_bytes}."
             )
-        body = await request.body()
-        num_tensors = await run_in_threadpool(
-            server.stage_http_chunk, transaction_id, index, body, request.headers.get(SHA256_HEADER)
-        )
+        with server.transactions.reserving(transaction_id, index, int(length)):
+            body = await request.body()
+            num_tensors = await run_in_threadpool(
+                server.stage_http_chunk, transaction_id, index, body, request.headers.get(SHA256_HEADER)
+            )
         return {"index": index, "num_tensors": num_tensors, "bytes": len(body)}
 
     @app.post("/weights/transactions/{transaction_id}/nccl_chunks/{index}")
@@ -591,7 +748,7 @@ def build_app(server: RolloutServer) -> FastAPI:
 
     @app.post("/weights/transactions/{transaction_id}/commit")
     async def commit(transaction_id: str, request: CommitRequest) -> dict:
-        transaction = server.transactions.take(transaction_id)
+        transaction = server.transactions.take(transaction_id, request.num_chunks)
         return await server.on_engine_thread(server.commit, transaction, request.num_chunks)
 
     @app.delete("/weights/transactions/{transaction_id}")
@@ -610,6 +767,24 @@ def build_app(server: RolloutServer) -> FastAPI:
 def _accepted_dtypes(engine_dtype: torch.dtype) -> set[torch.dtype]:
     """The engine's own dtype, or float32 for a floating weight: a trainer's master weights, which vLLM rounds."""
     return {engine_dtype, torch.float32} if engine_dtype.is_floating_point else {engine_dtype}
+
+
+def _listed(ids: list[int]) -> str:
+    """`ids` in an error message: the first few and how many more."""
+    more = len(ids) - _LISTED_IDS
+    return f"{ids}" if more <= 0 else f"{ids[:_LISTED_IDS]} and {more} more"
+
+
+def _half_of_memory() -> int:
+    """The default limit on staged bytes: half of this machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve beyond this machine
+        return False
 
 
 def _check_index(index: int) -> None:
@@ -633,20 +808,39 @@ def serve(
     port: int = 8000,
     transaction_timeout: float = 600.0,
     max_chunk_bytes: int = 2**31,
+    max_open_transactions: int = DEFAULT_MAX_OPEN_TRANSACTIONS,
+    max_staged_bytes: int | None = None,
+    max_chunks: int = DEFAULT_MAX_CHUNKS,
+    api_key: str | None = None,
+    allow_unauthenticated: bool = False,
     log_level: str = "info",
 ) -> None:
-    """Build the engine (`VLLMRolloutEngine(**engine_kwargs)`), then serve it until SIGINT/SIGTERM."""
+    """Build the engine (`VLLMRolloutEngine(**engine_kwargs)`), then serve it until SIGINT/SIGTERM.
+
+    Without `api_key`, listening beyond loopback is refused unless `allow_unauthenticated` says the API is open."""
     import uvicorn
 
+    open_beyond_loopback = api_key is None and not _is_loopback(host)
+    if open_beyond_loopback and not allow_unauthenticated:
+        raise ValueError(
+            f"--host {host} listens beyond this machine, and without an API key anyone who reaches the port can "
+            f"replace the policy. Set the {API_KEY_ENV} environment variable (or --api_key), or pass "
+            "--allow_unauthenticated to serve an open API on a network you trust."
+        )
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    if host not in _LOOPBACK_HOSTS:
-        logger.warning("Listening on %s: the API has no authentication; expose it only to the trainer.", host)
+    if open_beyond_loopback:
+        logger.warning(
+            "Listening on %s without an API key (--allow_unauthenticated): anyone can update weights.", host
+        )
     server = RolloutServer(
         lambda: VLLMRolloutEngine(**engine_kwargs),
         transaction_timeout=transaction_timeout,
         max_chunk_bytes=max_chunk_bytes,
+        max_open_transactions=max_open_transactions,
+        max_staged_bytes=max_staged_bytes,
+        max_chunks=max_chunks,
     )
     try:
-        uvicorn.run(build_app(server), host=host, port=port, log_level=log_level)
+        uvicorn.run(build_app(server, api_key=api_key), host=host, port=port, log_level=log_level)
     finally:
         server.close()

@@ -3,7 +3,8 @@
 Two engines: the package's HF-native generator (`speculative_generate`, on the policy the trainer is training), or
 a vLLM engine that holds the policy and the draft (`RolloutEngine`: colocated in each process, or one server for
 every process), into which both are pushed once per step. A turn that fails falls back to plain generation (logged
-and counted in ``spec/fallback``); each turn logs the ``spec/*`` metrics.
+and counted in ``spec/fallback``); each turn logs the ``spec/*`` metrics. A server that restarted gets both pushed
+again before the turn is served; one that cannot be reached stops the run (`EngineUnavailableError`).
 """
 
 import math
@@ -21,7 +22,7 @@ from trl.trainer.utils import pad
 
 from ..draft import Eagle3DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
-from ..generation.engine import RolloutEngine, SpecDecodeStats
+from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
 from ..generation.speculative import SpeculativeOutput, check_speculative_target, speculative_generate
 from .draft_cotraining import seeded_generator
 from .timing import StepTimes
@@ -144,6 +145,8 @@ class SpeculativeRollouts:
                 turn = self.hf_native_turn(prompt_ids, step=step, training=training, policy=policy_for_generation)
             self._fallbacks_in_a_row = 0
             return turn
+        except (EngineUnavailableError, EngineRestartedError):
+            raise  # plain generation would hide that the engine is gone, at every step: stop instead
         except Exception as err:
             self._fallbacks_in_a_row += 1
             logger.warning(f"Speculative rollout failed ({type(err).__name__}: {err}); plain generation this step.")
@@ -225,7 +228,28 @@ class SpeculativeRollouts:
     # ------------------------------------------------------------------ vLLM
 
     def vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
-        """Rollouts from the vLLM engine, after pushing this step's policy and draft into it (once per step)."""
+        """Rollouts from the vLLM engine, after pushing this step's policy and draft into it (once per step, and again
+        after the engine restarted)."""
+        try:
+            try:
+                return self._vllm_turn(prompt_ids, step=step, training=training)
+            except EngineRestartedError as restarted:
+                if self.engine.shared_across_processes and self.accelerator.num_processes > 1:
+                    raise EngineRestartedError(
+                        f"{restarted} {self.accelerator.num_processes} training processes share this server and "
+                        "push into it from the main one only, between steps: the run cannot re-sync it now. Resume "
+                        "from the last checkpoint (resume_from_checkpoint=True)."
+                    ) from restarted
+                logger.warning(f"{restarted} Pushing the policy and the draft again, then serving this turn.")
+                self._engine_synced_step = -1
+                return self._vllm_turn(prompt_ids, step=step, training=training)
+        except EngineUnavailableError as error:
+            raise EngineUnavailableError(
+                f"{error} Training stopped at step {step}; the checkpoints in {self.args.output_dir} are as saved. "
+                "Once the server is back, resume with resume_from_checkpoint=True."
+            ) from error
+
+    def _vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
         if step != self._engine_synced_step:
             with self.step_times.measure("weight_sync"):
                 self.sync_engine()
@@ -387,7 +411,12 @@ def build_rollout_engine(
         from ..generation.client import VLLMServerClient
 
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        client = VLLMServerClient(base_url, timeout=max(args.vllm_server_timeout, 600.0))
+        client = VLLMServerClient(
+            base_url,
+            timeout=max(args.vllm_server_timeout, 600.0),
+            api_key=args.vllm_server_api_key,
+            reconnect_timeout=args.vllm_server_timeout,
+        )
         client.wait_until_ready(timeout=args.vllm_server_timeout)
         if args.num_speculative_tokens == "auto":
             logger.warning(
