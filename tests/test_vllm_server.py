@@ -813,39 +813,9 @@ def test_generation_during_commits_sees_the_old_or_the_new_policy_never_a_mix(se
 
 @pytest.mark.vllm
 def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_llama_drafts, tmp_path):
-    from datasets import Dataset
-
-    from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 
     before = server.client.weights_version()
-    config = SpecCoTrainConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        seed=1,
-        learning_rate=1e-3,
-        draft_warmup_steps=0,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=server.client.base_url,
-        vllm_server_api_key=API_KEY,
-        draft_model_name_or_path=str(tiny_llama_drafts.folders["reduced", "a"]),
-    )
-    tokenizer = AutoTokenizer.from_pretrained(server.target_dir)
-    trainer = SpecCoTrainGRPOTrainer(
-        model=str(server.target_dir),
-        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": ["def f(x):", "The quick", "import", "x = "]}),
-        processing_class=tokenizer,
-    )
+    trainer = _server_trainer(server, tiny_llama_drafts, tmp_path, max_steps=2)
     try:
         trainer.train()
         after = server.client.weights_version()
@@ -903,41 +873,18 @@ def test_trainer_survives_a_server_restart_and_stops_clearly_once_it_is_gone(ser
     rollouts come from them (not from the weights the server started with), without falling back. Then the server
     is gone: after bounded retries the run stops with an error that says how to resume, and the checkpoints are
     complete. The API key and the Hub token appear in no file the run wrote."""
-    from datasets import Dataset
 
-    from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
     from hf_spec_cotrain.generation.client import WeightsVersion
 
     hub_token = "hf_test_token_c81f2e"
-    config = SpecCoTrainConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        logging_steps=1,
+    trainer = _server_trainer(
+        server,
+        tiny_llama_drafts,
+        tmp_path,
         save_strategy="steps",
         save_steps=1,
-        seed=1,
-        learning_rate=1e-3,
-        draft_warmup_steps=0,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=server.client.base_url,
-        vllm_server_api_key=API_KEY,
         vllm_server_timeout=3.0,
         hub_token=hub_token,
-        draft_model_name_or_path=str(tiny_llama_drafts.folders["reduced", "a"]),
-    )
-    trainer = SpecCoTrainGRPOTrainer(
-        model=str(server.target_dir),
-        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": ["def f(x):", "The quick", "import", "x = "]}),
-        processing_class=AutoTokenizer.from_pretrained(server.target_dir),
     )
     client = trainer.rollout_engine
     real_generate = client.generate
@@ -980,3 +927,33 @@ def test_trainer_survives_a_server_restart_and_stops_clearly_once_it_is_gone(ser
     finally:
         server.client.sync_weights("policy", server.hf_target().state_dict().items(), version=0)
         server.client.sync_weights("draft", server.drafts["a"].items(), version=0)
+
+
+def _server_trainer(server, drafts, tmp_path, **overrides):
+    """A short GRPO run (3 steps, 8-token completions) whose rollouts go through the module's server."""
+    from datasets import Dataset
+    from tiny_policy import tiny_grpo_kwargs
+
+    from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+
+    config = SpecCoTrainConfig(
+        **tiny_grpo_kwargs(tmp_path)
+        | {
+            "max_completion_length": 8,
+            "seed": 1,
+            "draft_warmup_steps": 0,
+            "use_vllm": True,
+            "vllm_mode": "server",
+            "vllm_server_base_url": server.client.base_url,
+            "vllm_server_api_key": API_KEY,
+            "draft_model_name_or_path": str(drafts.folders["reduced", "a"]),
+        }
+        | overrides
+    )
+    return SpecCoTrainGRPOTrainer(
+        model=str(server.target_dir),
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["def f(x):", "The quick", "import", "x = "]}),
+        processing_class=AutoTokenizer.from_pretrained(server.target_dir),
+    )
