@@ -148,7 +148,7 @@ PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_ge
         ),
         ({"use_vllm": True}, "'use_vllm'"),
         ({"beta": 0.04}, "'beta=0.04'"),
-        ({"loss_type": "grpo"}, "\"loss_type='grpo'\""),
+        ({"loss_type": "cispo"}, "\"loss_type='cispo'\""),
         ({"context_parallel_size": 2}, "context_parallel_size"),
         ({"draft_bf16": True}, "'draft_bf16=True'"),
         ({"steps_per_generation": 2}, "gradient_accumulation_steps not a multiple"),

@@ -8,7 +8,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain.parallel.pipeline import stage_layer_ranges
 from hf_spec_cotrain.testing import build_char_tokenizer
-from hf_spec_cotrain.training.pipeline_step import grpo_loss, grpo_per_token_logps
+from hf_spec_cotrain.training.pipeline_step import grpo_loss, grpo_loss_normalizer, grpo_per_token_logps
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +69,15 @@ def _inputs(vocab_size: int, *, with_old: bool, seed: int = 0):
         ({}, False),
         ({"temperature": 0.7}, True),
         ({"epsilon": 0.1, "epsilon_high": 0.28, "temperature": 1.3}, True),
+        *[({"loss_type": loss_type, "temperature": 0.7}, True) for loss_type in ("grpo", "bnpo", "dr_grpo")],
     ],
 )
-def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with_old):
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with_old, accumulation):
+    """The pipelined loss with its whole-batch normaliser equals TRL's `_compute_loss`, value and gradients, for
+    every loss type the pipeline takes, inside an accumulation window too."""
     trainer = _trl_trainer(policy_dir, tmp_path, **overrides)
+    trainer.current_gradient_accumulation_steps = accumulation
     model = trainer.model
     inputs = _inputs(model.config.vocab_size, with_old=with_old)
     trl_loss = trainer._compute_loss(model, inputs)
@@ -93,7 +98,14 @@ def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with
         temperature=trainer.temperature,
         epsilon_low=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high,
-        normalizer=inputs["num_items_in_batch"],
+        loss_type=trainer.loss_type,
+        normalizer=grpo_loss_normalizer(
+            trainer.loss_type,
+            inputs["completion_mask"],
+            max_completion_length=trainer.max_completion_length,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            gradient_accumulation_steps=accumulation,
+        ),
     )
     loss.backward()
     assert loss.item() != 0.0
@@ -107,19 +119,36 @@ def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with
         assert (ratio < 1 - trainer.epsilon_low).any() and (ratio > 1 + trainer.epsilon_high).any()
 
 
-def test_grpo_loss_of_microbatches_sums_to_the_batch_loss():
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_grpo_loss_of_microbatches_sums_to_the_batch_loss(loss_type):
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(8, 5, 11, generator=generator, dtype=torch.float64)
     ids = torch.randint(0, 11, (8, 5), generator=generator)
     mask = (torch.rand(8, 5, generator=generator) > 0.3).long()
+    mask[3] = 0  # a row with no counted token counts as a row (grpo, dr_grpo), not as a token
     advantages = torch.randn(8, generator=generator, dtype=torch.float64)
     old = -3 * torch.rand(8, 5, generator=generator, dtype=torch.float64)
-    whole = grpo_loss(logits, ids, mask, advantages, old)
+    whole = grpo_loss(logits, ids, mask, advantages, old, loss_type=loss_type)
+    normalizer = grpo_loss_normalizer(loss_type, mask, max_completion_length=5)
     parts = sum(
-        grpo_loss(logits[rows], ids[rows], mask[rows], advantages[rows], old[rows], normalizer=mask.sum())
+        grpo_loss(
+            logits[rows],
+            ids[rows],
+            mask[rows],
+            advantages[rows],
+            old[rows],
+            loss_type=loss_type,
+            normalizer=normalizer,
+        )
         for rows in torch.arange(8).split(2)
     )
     torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_unsupported_loss_types_are_refused():
+    logits, ids, mask = torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="`loss_type`='cispo' is not supported"):
+        grpo_loss(logits, ids, mask, torch.zeros(1), loss_type="cispo")
 
 
 def test_stage_layer_ranges():

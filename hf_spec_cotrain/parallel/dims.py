@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
-from .pipeline import MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
+from .pipeline import GRPO_LOSS_TYPES, MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
             f"(`per_device_train_batch_size`={config.per_device_train_batch_size} x {size} stages): every "
             "micro-batch has the same shape."
         )
-    # The pipelined loss is TRL's dapo loss with beta=0 and token-level ratios (`grpo_loss`), and the stages
+    # The pipelined loss is TRL's clipped-ratio loss with beta=0 and token-level ratios (`grpo_loss`), and the stages
     # cannot compute log-probs outside the pipeline (old log-probs of off-step rollouts, a reference model).
     generate_every = config.steps_per_generation * config.num_iterations
     eval_strategy = getattr(config.eval_strategy, "value", config.eval_strategy)
@@ -231,7 +231,7 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         "use_liger_kernel": config.use_liger_kernel,
         "draft_bf16=True": config.draft_bf16 is True,
         f"beta={config.beta}": config.beta != 0.0,
-        f"loss_type={config.loss_type!r}": config.loss_type != "dapo",
+        f"loss_type={config.loss_type!r}": config.loss_type not in GRPO_LOSS_TYPES,
         f"importance_sampling_level={config.importance_sampling_level!r}": config.importance_sampling_level != "token",
         f"top_entropy_quantile={config.top_entropy_quantile}": config.top_entropy_quantile < 1.0,
         "gradient_accumulation_steps not a multiple of steps_per_generation * num_iterations": (
@@ -242,8 +242,9 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
     _refuse(
         f"`pipeline_parallel_size`={size}",
         incompatible,
-        "the pipelined step computes TRL's default GRPO loss (loss_type='dapo', beta=0, token-level ratios) on plain "
-        "processes, with HF-native rollouts on rank 0. Change them or set `pipeline_parallel_size=1`.",
+        f"the pipelined step computes TRL's GRPO loss (loss_type one of {', '.join(GRPO_LOSS_TYPES)}, beta=0, "
+        "token-level ratios) on plain processes, with HF-native rollouts on rank 0. Change them or set "
+        "`pipeline_parallel_size=1`.",
     )
     if peft:
         raise ValueError(

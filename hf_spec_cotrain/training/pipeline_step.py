@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..parallel.pipeline import (
+    GRPO_LOSS_TYPES,
     MIN_MICROBATCHES,
     PIPELINE_SCHEDULES,
     TAP_TRANSPORTS,
@@ -49,6 +50,7 @@ __all__ = [
     "PipelineCoTrainStep",
     "PipelineStepOutput",
     "grpo_loss",
+    "grpo_loss_normalizer",
     "grpo_per_token_logps",
 ]
 
@@ -78,14 +80,16 @@ def grpo_loss(
     temperature: float = 1.0,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
+    loss_type: str = "dapo",
     normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""
-    TRL's GRPO loss for ``loss_type="dapo"``, ``beta=0``, token-level importance sampling (TRL's defaults).
+    TRL's GRPO loss with ``beta=0`` and token-level importance sampling, for the loss types of `GRPO_LOSS_TYPES`.
 
-    ``-sum_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * mask_t / normalizer`` with
-    ``r_t = exp(logp_t - old_logp_t)``; without ``old_per_token_logps`` the ratio is 1 with the policy's own
-    gradient (TRL detaches the current log-probs then).
+    ``-sum min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * mask_t / normalizer`` with
+    ``r_t = exp(logp_t - old_logp_t)``, summed over the counted tokens (``loss_type="grpo"``: each row's sum
+    divided by its counted tokens first, then summed over the rows); without ``old_per_token_logps`` the ratio is
+    1 with the policy's own gradient (TRL detaches the current log-probs then).
 
     Args:
         logits: ``[B, C, V]`` logits at the positions predicting the completion tokens.
@@ -93,11 +97,13 @@ def grpo_loss(
             ``completion_mask * tool_mask``).
         advantages: ``[B]`` (or ``[B, C]``).
         old_per_token_logps: ``[B, C]`` log-probs of the rollout policy, or None.
-        normalizer: the denominator; TRL's dapo uses
-            ``num_items_in_batch / num_processes * gradient_accumulation_steps / steps_per_generation``.
-            Default: the number of counted tokens of this call. Summing the losses of micro-batches that all
-            use the whole batch's normalizer gives the whole batch's loss.
+        loss_type: one of `GRPO_LOSS_TYPES`.
+        normalizer: the denominator (`grpo_loss_normalizer` gives TRL's for a whole batch). Default: this call's
+            own, without gradient accumulation. Summing the losses of micro-batches that all use the whole batch's
+            normalizer gives the whole batch's loss.
     """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     mask = completion_mask.to(torch.float32)
     per_token_logps = grpo_per_token_logps(logits, completion_ids, temperature=temperature)
@@ -107,14 +113,41 @@ def grpo_loss(
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     ratio = torch.exp(per_token_logps - old)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+    per_token_loss = -torch.min(ratio * advantages, clipped * advantages) * mask
+    if loss_type == "grpo":
+        per_token_loss = per_token_loss / mask.sum(-1, keepdim=True).clamp(min=1.0)
     if normalizer is None:
-        normalizer = mask.sum()
+        normalizer = grpo_loss_normalizer(loss_type, completion_mask, max_completion_length=completion_ids.shape[1])
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.to(per_token_loss.dtype).clamp(min=1.0)
     else:
         normalizer = max(float(normalizer), 1.0)
-    return (per_token_loss * mask).sum() / normalizer
+    return per_token_loss.sum() / normalizer
+
+
+def grpo_loss_normalizer(
+    loss_type: str,
+    loss_mask: torch.Tensor,
+    *,
+    max_completion_length: int,
+    num_items_in_batch: torch.Tensor | None = None,
+    gradient_accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
+) -> torch.Tensor:
+    """TRL's denominator of `grpo_loss` for one whole batch (``loss_mask [B, C]``, the tokens that count) of an
+    accumulation window, as one process holding every row of it computes it: ``grpo`` averages the rows, ``bnpo``
+    the counted tokens, ``dr_grpo`` a fixed ``B * max_completion_length`` tokens, each then divided by the
+    accumulation steps; ``dapo`` divides by ``num_items_in_batch`` (the counted tokens of the generation batch,
+    default this batch's) rescaled to one accumulation window."""
+    rows = loss_mask.new_tensor(float(loss_mask.shape[0]), dtype=torch.float32)
+    counted = loss_mask.sum().to(torch.float32).clamp(min=1.0)
+    if loss_type == "dapo":
+        items = counted if num_items_in_batch is None else num_items_in_batch.to(torch.float32).clamp(min=1.0)
+        return items * gradient_accumulation_steps / steps_per_generation
+    per_batch = {"grpo": rows, "bnpo": counted, "dr_grpo": rows * max_completion_length}
+    if loss_type not in per_batch:
+        raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
+    return per_batch[loss_type] * gradient_accumulation_steps
 
 
 # ---------------------------------------------------------------------------------------------------- the step
@@ -173,8 +206,8 @@ class PipelineCoTrainStep:
             batch size must be a multiple of it.
         tap_transport: ``"channel"`` (`TapChannel`, default) or ``"relay"`` (taps ride the activations).
         layers_per_stage: decoder layers of each stage (default: as even as possible, extras first).
-        temperature, epsilon_low, epsilon_high: as in `grpo_loss` (TRL's `temperature`, `epsilon`,
-            `epsilon_high`).
+        temperature, epsilon_low, epsilon_high, loss_type: as in `grpo_loss` (TRL's `temperature`, `epsilon`,
+            `epsilon_high`, `loss_type`).
         ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing: the draft's training-time test (`ttt_loss`).
         device: where this stage runs (default: the model's device).
     """
@@ -193,6 +226,7 @@ class PipelineCoTrainStep:
         temperature: float = 1.0,
         epsilon_low: float = 0.2,
         epsilon_high: float | None = None,
+        loss_type: str = "dapo",
         ttt_steps: int = 3,
         ttt_step_weight_decay: float = 0.8,
         ttt_gradient_checkpointing: bool = False,
@@ -219,6 +253,9 @@ class PipelineCoTrainStep:
                 "Pipeline parallelism with tied input/output embeddings is not supported: the embedding lives on "
                 "the first stage and the lm_head on the last. Untie them (`tie_word_embeddings=False`)."
             )
+        if loss_type not in GRPO_LOSS_TYPES:
+            raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
+        self.loss_type = loss_type
         self.schedule_class = PIPELINE_SCHEDULES[schedule.lower()]
         self.num_microbatches = num_microbatches
         self.temperature, self.epsilon_low = temperature, epsilon_low
@@ -304,7 +341,8 @@ class PipelineCoTrainStep:
         """Forward and backward of one GRPO batch through the pipeline, and the draft's TTT on the last stage.
 
         Every rank of the pipeline passes the same batch. Gradients accumulate (zero them yourself).
-        ``loss_normalizer``: TRL's dapo denominator (default: the batch's counted completion tokens).
+        ``loss_normalizer``: the loss's denominator for the whole batch (`grpo_loss_normalizer`; default: the
+        batch's own, without gradient accumulation).
         ``draft_loss_scale`` multiplies the draft loss before its backward (e.g. ``1 / gradient_accumulation``).
         """
         batch = self._validated(batch)
@@ -315,7 +353,11 @@ class PipelineCoTrainStep:
         length, completion_length = input_ids.shape[1], batch.completion_ids.shape[1]
         schedule = self._schedule(micro_rows, length, completion_length)
         self._batch = batch
-        self._normalizer = batch.loss_mask.sum() if loss_normalizer is None else loss_normalizer
+        if loss_normalizer is None:
+            loss_normalizer = grpo_loss_normalizer(
+                self.loss_type, batch.loss_mask, max_completion_length=batch.completion_ids.shape[1]
+            )
+        self._normalizer = loss_normalizer
         self.module.logits_to_keep = completion_length
         if self.channel is not None:
             self.channel.begin_step()
@@ -413,6 +455,7 @@ class PipelineCoTrainStep:
             temperature=self.temperature,
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type,
             normalizer=self._normalizer,
         )
 

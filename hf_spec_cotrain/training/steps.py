@@ -18,7 +18,7 @@ from ..attention.hf_adapter import zigzag_ring_attention
 from ..parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
 from ..parallel.pipeline import stream_pipeline_weights
 from .draft_cotraining import RecordedTaps
-from .pipeline_step import GRPOBatch, PipelineCoTrainStep
+from .pipeline_step import GRPOBatch, PipelineCoTrainStep, grpo_loss_normalizer
 
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
@@ -179,6 +179,7 @@ class PipelineParallelStep(TrainingStepStrategy):
             temperature=trainer.temperature,
             epsilon_low=trainer.epsilon_low,
             epsilon_high=trainer.epsilon_high,
+            loss_type=trainer.loss_type,
             ttt_steps=args.ttt_steps,
             ttt_step_weight_decay=args.ttt_step_weight_decay,
             ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
@@ -194,9 +195,16 @@ class PipelineParallelStep(TrainingStepStrategy):
         device = trainer.accelerator.device
         batch = self.batch(self.members_inputs(inputs))
         accumulation = trainer.current_gradient_accumulation_steps
-        # TRL's dapo normaliser of the whole batch (TRL divides it by the number of processes, whose gradients DDP
-        # averages; here one batch holds every process's rows).
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation / trainer.args.steps_per_generation
+        # TRL's normaliser of the whole batch as one process holding every member's rows computes it (with DDP, TRL
+        # would divide dapo's by the number of processes, whose gradients DDP averages).
+        normalizer = grpo_loss_normalizer(
+            trainer.loss_type,
+            batch.loss_mask,
+            max_completion_length=trainer.max_completion_length,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            gradient_accumulation_steps=accumulation,
+            steps_per_generation=trainer.args.steps_per_generation,
+        )
         if self.loss_is_unscaled(num_items_in_batch):
             normalizer = normalizer * accumulation
         out = self.stage.step(

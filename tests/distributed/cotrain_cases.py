@@ -197,15 +197,24 @@ def main(run: Callable[[str, str, str], dict]) -> None:
 
 
 def run_parallel_and_single(
-    script: Path, run: Callable[[str, str, str], dict], policy_dir: Path, tmp_path: Path, mode: str
+    script: Path,
+    run: Callable[[str, str, str], dict],
+    policy_dir: Path,
+    tmp_path: Path,
+    mode: str,
+    *,
+    variant: str | None = None,
 ) -> tuple[list[dict], dict]:
-    """The 2 ranks' records of `script` under torchrun in `mode`, and the record of `run` in this process ("single")."""
+    """The 2 ranks' records of `script` under torchrun in `mode`, and the record of `run` in this process ("single");
+    a `variant` is passed to both as a suffix of the mode (``"pp-bnpo"``, ``"single-bnpo"``)."""
+    suffix = "" if variant is None else f"-{variant}"
+    mode = mode + suffix
     out_dir = tmp_path / mode
     run_torchrun(script, policy_dir, out_dir, mode, log=out_dir.with_suffix(".log"))
     parallel = [torch.load(out_dir / f"{mode}{rank}.pt") for rank in range(2)]
     threads = torch.get_num_threads()
     try:
-        single = run(str(policy_dir), str(tmp_path / "single"), "single")
+        single = run(str(policy_dir), str(tmp_path / f"single{suffix}"), f"single{suffix}")
     finally:
         torch.set_num_threads(threads)
     return parallel, single

@@ -29,7 +29,8 @@ class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
 
 
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
-    """Train; return this rank's record."""
+    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type`."""
+    mode, _, loss_type = mode.partition("-")
     config = equality_run_config(
         out_dir,
         per_device_train_batch_size=4 if mode == "pp" else 8,
@@ -37,6 +38,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         draft_learning_rate=0.01,
         pipeline_parallel_size=2 if mode == "pp" else 1,
         pipeline_num_microbatches=4,
+        loss_type=loss_type or "dapo",
     )
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))

@@ -61,3 +61,21 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_p
     for record in pp:
         assert_same_step_logs(record, single, [*DRAFT_METRICS, "loss", "grad_norm"])
     assert all(entry["spec/acceptance_length"] >= 1 for entry in pp[0]["step_logs"])
+
+
+# bnpo equals dapo in these steps (one generation batch per step, no accumulation): its whole-batch normaliser is
+# tests/test_pipeline.py's, with accumulation.
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_pipeline_parallel_steps_equal_the_single_process_steps_for_each_loss_type(
+    tmp_path, tiny_policy_dir, loss_type
+):
+    """TRL's other loss types average a batch's token losses differently (per row, per counted token, per fixed
+    length): the pipelined step's whole-batch normaliser must give the single process's gradients and updates."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant=loss_type)
+    assert_single_run_learned(pp, single)
+    for record in pp:
+        names = set(record["policy_params"])
+        grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
+        assert_same_tensors(record["policy_grads"], grads, f"{loss_type} policy grad", relative_to_max=True)
+        assert_same_tensors(record["policy_params"], params, f"{loss_type} policy", relative_to_max=False)
+        assert_same_step_logs(record, single, ["loss", "grad_norm"])
