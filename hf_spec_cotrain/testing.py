@@ -30,7 +30,13 @@ from transformers import (
 )
 
 
-__all__ = ["SUPPORTED_FAMILIES", "build_char_tokenizer", "build_tiny_target", "save_tiny_target"]
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "build_char_tokenizer",
+    "build_pass_through_draft",
+    "build_tiny_target",
+    "save_tiny_target",
+]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
 _FAMILIES = {
@@ -246,3 +252,30 @@ def save_tiny_target(folder: str | Path, family: str = "llama", **kwargs) -> Pat
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def build_pass_through_draft(target: PreTrainedModel, *, seed: int, noise: float, **draft_kwargs):
+    """An EAGLE-3 draft of `target` (`Eagle3DraftModel.from_target(target, **draft_kwargs)`) whose `fc` passes the last
+    tap through, plus seeded noise of scale `noise`.
+
+    It guesses from the target's residual stream before its last layer: a weak but real draft whose
+    acceptance depends on `noise`, so two seeds or noise levels give measurably different drafts.
+    """
+    from .draft import Eagle3DraftModel
+
+    draft = Eagle3DraftModel.from_target(target, **draft_kwargs)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = target.config.hidden_size
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            values = torch.randn(param.shape, generator=generator).to(param.device, param.dtype)
+            if name == "fc.weight":
+                param.copy_(noise * values / param.shape[1] ** 0.5)
+                param[:, -hidden:] += torch.eye(hidden, device=param.device, dtype=param.dtype)
+            elif name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * values)
+            elif name == "lm_head.weight":
+                param.add_(0.1 * noise * values)
+            else:
+                param.copy_(noise * values / param.shape[1] ** 0.5)
+    return draft

@@ -141,11 +141,12 @@ def run(
     fraction: float = 1.0,
     bf16: bool = False,
     draft_bf16: bool | None = None,
+    use_cpu: bool = True,
 ) -> tuple[list[float], list[float]]:
     """Seconds per timed step, and of those the seconds in the draft's TTT micro-steps (zeros for plain GRPO)."""
     common = dict(
         output_dir=tempfile.mkdtemp(),
-        use_cpu=True,
+        use_cpu=use_cpu,
         bf16=bf16,
         report_to="none",
         per_device_train_batch_size=batch,

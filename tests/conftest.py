@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.generation import RolloutOutput, VLLMRolloutEngine
-from hf_spec_cotrain.testing import save_tiny_target
+from hf_spec_cotrain.testing import build_pass_through_draft, save_tiny_target
 
 
 # Taps of the 6-layer tiny targets; the last one (5) is the input of the last decoder layer.
@@ -53,38 +53,6 @@ def tiny_policy_dir(tmp_path_factory) -> Path:
     return save_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
 
 
-def _noisy_pass_through_draft(target, *, draft_vocab_size: int, token_counts: torch.Tensor, seed: int, noise: float):
-    """An EAGLE-3 draft whose `fc` passes the last tap through, plus seeded noise of scale `noise`.
-
-    It guesses from the target's residual stream before its last layer: a weak but real draft whose
-    acceptance depends on `noise`, so two seeds or noise levels give measurably different drafts.
-    """
-    from hf_spec_cotrain.draft import Eagle3DraftModel
-
-    draft = Eagle3DraftModel.from_target(
-        target,
-        num_layers=1,
-        aux_layer_ids=TINY_AUX_LAYER_IDS,
-        draft_vocab_size=draft_vocab_size,
-        token_counts=token_counts,
-    )
-    generator = torch.Generator().manual_seed(seed)
-    hidden = target.config.hidden_size
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            values = torch.randn(param.shape, generator=generator)
-            if name == "fc.weight":
-                param.copy_(noise * values / param.shape[1] ** 0.5)
-                param[:, -hidden:] += torch.eye(hidden)
-            elif name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * values)
-            elif name == "lm_head.weight":
-                param.add_(0.1 * noise * values)
-            else:
-                param.copy_(noise * values / param.shape[1] ** 0.5)
-    return draft
-
-
 @dataclass
 class TinyDrafts:
     """Two different drafts ("a", "b") per vocabulary ("reduced", "full"), saved and as state dicts."""
@@ -105,8 +73,14 @@ def tiny_llama_drafts(tiny_llama_dir, tmp_path_factory) -> TinyDrafts:
     folders, state_dicts = {}, {}
     for vocab, size in (("reduced", REDUCED_DRAFT_VOCAB_SIZE), ("full", target.config.vocab_size)):
         for name, seed, noise in (("a", 1, 0.05), ("b", 2, 0.3)):
-            draft = _noisy_pass_through_draft(
-                target, draft_vocab_size=size, token_counts=counts, seed=seed, noise=noise
+            draft = build_pass_through_draft(
+                target,
+                seed=seed,
+                noise=noise,
+                num_layers=1,
+                aux_layer_ids=TINY_AUX_LAYER_IDS,
+                draft_vocab_size=size,
+                token_counts=counts,
             )
             folder = tmp_path_factory.mktemp(f"draft-{vocab}-{name}")
             draft.save_pretrained(folder)

@@ -16,6 +16,7 @@ compute dtype (float32 for half-precision inputs, float64 for float64).
 import torch
 
 from ..validation import check_int
+from . import kernels
 from .masks import BlockSpan, Visibility, block_mask, block_spans, block_visibility, document_ids
 from .merge import merge_attention_partials
 from .validation import check_branch_attention_inputs
@@ -148,6 +149,7 @@ def trunk_forward(
     key_spans: list[BlockSpan] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    kernel_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal, document-masked attention of `q [B, Hkv, G, Lq, D]` over `k, v [B, Hkv, Lk, D]`, block by block.
 
@@ -156,8 +158,11 @@ def trunk_forward(
     `query_spans`/`key_spans` replace the fixed-size blocks (the ring cuts them at zigzag chunk
     boundaries, so that whole invisible chunks are skipped). Given a running `(out, lse)`, this key
     shard's result is merged into it in place (one ring step), and the same tensors are returned.
+    `kernel_dtype` is the dtype the caller's inputs came in (q, k, v were upcast from it, so casting back is exact):
+    a fused kernel (`kernels.py`) runs the blocks it can take in it; None means q's dtype.
     """
     merge_into = out is not None
+    kernel_q, kernel_k, kernel_v = (tensor.to(kernel_dtype or q.dtype) for tensor in (q, k, v))
     if not merge_into:
         out, lse = empty_partial(q)
     if key_spans is None:
@@ -173,10 +178,25 @@ def trunk_forward(
             if visibility is Visibility.SKIP:
                 continue
             cols = slice(key_span.start, key_span.end)
-            mask = None
-            if visibility is Visibility.PARTIAL:
-                mask = block_mask(query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols])
-            pair_out, pair_lse = block_forward(q_block, k[:, :, cols], v[:, :, cols], scale=scale, mask=mask)
+            mask_kind = kernels.block_mask_kind(query_span, key_span, visibility)
+            backend = kernels.backend_for(kernel_q, mask_kind)
+            if backend != kernels.BLOCKWISE:
+                pair_out, pair_lse = kernels.fused_block_forward(
+                    backend,
+                    kernel_q[:, :, :, rows],
+                    kernel_k[:, :, cols],
+                    kernel_v[:, :, cols],
+                    scale=scale,
+                    causal=mask_kind == kernels.CAUSAL,
+                )
+                pair_out, pair_lse = pair_out.to(q.dtype), pair_lse.to(q.dtype)
+            else:
+                mask = None
+                if visibility is Visibility.PARTIAL:
+                    mask = block_mask(
+                        query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols]
+                    )
+                pair_out, pair_lse = block_forward(q_block, k[:, :, cols], v[:, :, cols], scale=scale, mask=mask)
             if block_out is None:
                 block_out, block_lse = pair_out, pair_lse
             else:
@@ -315,6 +335,7 @@ def branch_attention_forward(
         key_doc_ids=doc_ids,
         scale=scale,
         block_size=block_size,
+        kernel_dtype=q.dtype,
     )
     out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
     return out.flatten(1, 2).to(q.dtype), lse

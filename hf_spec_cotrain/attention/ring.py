@@ -15,7 +15,8 @@ so they join the softmax locally in closed form (`branch_forward` / `branch_back
 Masks compare global indices and document ids, so blocks never cross a zigzag chunk (`block_spans`):
 the chunks that the causal structure makes invisible from a query chunk are skipped whole (in a ring step
 from an earlier rank the second half of the keys, from a later rank the first half of the queries).
-This is a pure PyTorch path (CPU or GPU, any float dtype); flash-attn kernels are not wired in.
+Each step's blocks run on the per-block kernel that `kernels.py` chooses (a fused CUDA kernel that returns the
+log-sum-exp where one takes the block, else pure PyTorch); the backward is pure PyTorch.
 
 Layout, following ring-flash-attention: for each variant the forward, the backward, an autograd `Function`
 that only delegates, and a `*_func` wrapper that validates.
@@ -127,6 +128,7 @@ def ring_branch_attention_forward(
             scale=scale,
             out=out,
             lse=lse,
+            kernel_dtype=q.dtype,
             **layout.trunk_kwargs(layout.source(step), block_size),
         )
         if more:
@@ -226,6 +228,7 @@ def allgather_branch_attention_forward(
             scale=scale,
             out=out,
             lse=lse,
+            kernel_dtype=q.dtype,
             **layout.trunk_kwargs(source, block_size),
         )
     out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
