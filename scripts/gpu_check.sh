@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU readiness check (issue #21): set up a CUDA environment, then run scripts/gpu_check.py within 10 minutes in all.
+# GPU readiness check: set up a CUDA environment, then run scripts/gpu_check.py within 10 minutes in all.
 #
 #   bash scripts/gpu_check.sh                        # JSON + Markdown into $OUT, else outputs/gpu_check
 #   bash scripts/gpu_check.sh --skip server          # any gpu_check.py argument

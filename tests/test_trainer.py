@@ -478,7 +478,7 @@ def test_a_draft_that_keeps_failing_stops_speculation_once(policy_dir, tmp_path,
 
 
 def test_a_draft_with_an_out_of_range_d2t_is_restored_before_rollouts(policy_dir, tmp_path):
-    """Issue 18: such a draft made rollouts fall back, then crashed the run with an IndexError."""
+    """Such a draft used to make rollouts fall back, then crash the run with an IndexError."""
     trainer = _trainer(policy_dir, _config(tmp_path, draft_vocab_size=60))
     good = _state(trainer.draft)
     with torch.no_grad():
