@@ -1,5 +1,5 @@
 """GPU readiness check: every GPU path of the package run and timed once, as named stages, into one JSON and one
-Markdown table (issue #21). Stops at the first failure and says what failed; later stages are reported as skipped.
+Markdown table. Stops at the first failure and says what failed; later stages are reported as skipped.
 
 Stages (each with a time budget, all within ``--total_budget`` seconds, set-up included):
 

@@ -232,7 +232,7 @@ def test_sync_failing_inside_vllm_blocks_generation_until_a_full_sync(vllm_engin
 def test_generation_failing_inside_vllm_leaves_the_engine_usable(vllm_engine, tiny_llama_drafts):
     """A draft whose `d2t` points outside the vocabulary passes the engine's name and shape checks (the trainer and
     the server refuse it before): vLLM then fails inside the generation. Syncing the previous draft back restores
-    exactly the previous rollouts (issue 18: the prefix cache could not be reset any more)."""
+    exactly the previous rollouts (the prefix cache once could not be reset any more)."""
     engine = vllm_engine.engine
     draft = tiny_llama_drafts.state_dicts["reduced", "b"]
     bad_d2t = {**draft, "d2t": draft["d2t"].clone()}

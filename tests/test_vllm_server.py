@@ -174,7 +174,7 @@ def test_serve_refuses_an_open_api_beyond_loopback(monkeypatch):
 
 class _EngineThatFailsOnSomeWeights:
     """Just enough engine for `RolloutServer.commit`: one weight `w`, and generation fails while `w` holds 13, as
-    vLLM did on weights that passed every check (issue 18's out-of-range `d2t`)."""
+    vLLM did on weights that passed every check (an out-of-range `d2t`)."""
 
     has_draft, vocab_size = False, 8
 
@@ -441,7 +441,7 @@ def test_sampling_n_and_logprobs(server):
 
 
 def _poisoned(handle: "ServerHandle", fault: str) -> tuple[str, dict[str, torch.Tensor]]:
-    """One of issue 18's bad updates: right names and shapes (they pass the checks made on arrival)."""
+    """A bad update with right names and shapes (they pass the checks made on arrival)."""
     target = "policy" if fault.startswith("policy") else "draft"
     source = handle.hf_target().state_dict() if target == "policy" else handle.drafts["b"]
     weights = {name: tensor.clone() for name, tensor in source.items()}
