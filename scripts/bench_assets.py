@@ -524,7 +524,10 @@ def ensure_bench_assets(
     target_minutes: float = TargetConfig.minutes,
     draft_minutes: float = DraftConfig.minutes,
 ) -> BenchAssets:
-    """Build (or reuse) the tokenizer, target, continuations and draft under ``cache_dir``; return their folders."""
+    """Build (or reuse) the tokenizer, target, continuations and draft under ``cache_dir``; return their folders.
+
+    Each pair of budgets has its own sub-folder, so asking for other budgets builds beside the cached assets and
+    never deletes them (rebuilding one takes up to an hour of CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not target_minutes > 0 or not draft_minutes > 0:
@@ -532,7 +535,7 @@ def ensure_bench_assets(
             f"`target_minutes`={target_minutes} and `draft_minutes`={draft_minutes} must both be > 0 (minutes of "
             "compute: CPU time per torch thread)."
         )
-    cache_dir = resolve_cache_dir(cache_dir)
+    cache_dir = resolve_cache_dir(cache_dir) / f"target-{target_minutes:g}min-draft-{draft_minutes:g}min"
     corpus_config, tokenizer_config = CorpusConfig(), TokenizerConfig()
     bf16 = bf16_matmul_pays()
     target_config = TargetConfig(minutes=target_minutes, autocast_bf16=bf16)
