@@ -2,9 +2,10 @@
 
 TRL logs ``step_time`` (its training step, generation included) but not how it splits; RL runs are tuned on that
 split. Parts are timed where they run and summed per optimizer step: ``time/generation`` (rollouts, speculative or
-plain; the syncs they start excluded), ``time/draft_training`` (the draft's TTT and its update), ``time/weight_sync`` (pushing weights into a
-rollout engine), ``time/step`` (the training steps and the draft's update) and ``time/policy_training`` (the rest of
-``time/step``: the policy's forward and backward, rewards, bookkeeping).
+plain; the syncs they start excluded), ``time/draft_training`` (the draft's TTT and its update),
+``time/weight_sync`` (pushing weights into a rollout engine), ``time/step`` (the training steps and the draft's
+update) and ``time/policy_training`` (the rest of ``time/step``: the policy's forward and backward, rewards,
+bookkeeping).
 """
 
 import time
