@@ -97,31 +97,17 @@ def _policy(family, **kwargs):
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
-def test_both_parallelisms_take_the_full_attention_families_dense_or_moe(family):
-    policy = _policy(family)
+@pytest.mark.parametrize(
+    "family, window",
+    # Full attention dense or MoE, sliding windows (Mistral's every layer, Qwen3's every other one) and gpt-oss's
+    # windows and sinks: the ring attention computes them all (tests/distributed/test_policy_cp.py).
+    [("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", None), ("qwen3_moe", None)]
+    + [("mistral", 5), ("qwen3", 8), ("gpt_oss", None)],
+)
+def test_both_parallelisms_take_the_attention_families(family, window):
+    policy = _policy(family, sliding_window=window)
     CP.check_policy(policy)
     PP.check_policy(policy)
-
-
-@pytest.mark.parametrize(
-    "family, window, reasons",
-    [
-        ("gpt_oss", None, ["sliding_attention layers (window 16)", "attention sinks (`self_attn.sinks`)"]),
-        ("mistral", 5, ["sliding_attention layers (window 5)"]),
-        ("qwen3", 8, ["sliding_attention layers (window 8)"]),
-    ],
-)
-def test_context_parallelism_refuses_windows_and_sinks_at_start(family, window, reasons):
-    policy = _policy(family, sliding_window=window)
-    with pytest.raises(ValueError, match=rf"`context_parallel_size`=2 cannot train this {family} policy") as error:
-        CP.check_policy(policy)
-    assert all(reason in str(error.value) for reason in reasons)
-    assert (
-        "Instead, train it with `context_parallel_size=1` (data parallelism) or with `pipeline_parallel_size`"
-        in str(error.value)
-    )
-    PP.check_policy(policy)  # the path the message offers instead
 
 
 def test_linear_attention_and_the_moe_auxiliary_loss_are_refused_at_start():

@@ -97,9 +97,9 @@ class ParallelDims:
     def check_policy(self, policy) -> None:
         """Refuse, at trainer start, a policy whose layers this run's parallel step would compute wrongly.
 
-        The zigzag ring attention is full causal attention over packed documents: a sliding window, attention sinks
-        or a recurrent (linear-attention) layer would be computed as something else. The pipelined step cuts stages
-        of attention layers (full or sliding, dense or MoE) and computes the GRPO loss without a MoE auxiliary loss.
+        The zigzag ring attention computes full and sliding-window attention layers (with or without sinks) exactly;
+        a recurrent (linear-attention) layer would be computed as something else. The pipelined step cuts stages of
+        attention layers (full or sliding, dense or MoE). Neither computes a MoE auxiliary loss.
         """
         config = policy.config.get_text_config()
         kinds = set(layer_types(config))
@@ -107,14 +107,9 @@ class ParallelDims:
         pipeline_reasons = _pipeline_refusals(kinds, aux_loss)
         if self.cp_enabled:
             other = sorted(kinds - {*ATTENTION_LAYER_TYPES, "linear_attention"})
-            sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in policy.named_parameters())
             reasons = {
                 "its linear_attention layers carry a recurrent state along the sequence, which has no "
                 "sequence-parallel scan yet": "linear_attention" in kinds,
-                f"its sliding_attention layers (window {getattr(config, 'sliding_window', None)}) need a band mask "
-                "that the zigzag ring attention does not apply": "sliding_attention" in kinds,
-                "its attention sinks (`self_attn.sinks`) add a logit per head to the softmax, which the zigzag ring "
-                "attention does not": sinks,
                 f"its {other} layers are not attention layers the ring runs": bool(other),
                 "its MoE auxiliary loss (`output_router_logits=True`) is not computed on sharded sequences": aux_loss,
             }
