@@ -6,7 +6,7 @@ import pytest
 
 from hf_spec_cotrain import SpecCoTrainConfig
 from hf_spec_cotrain.parallel import ParallelDims
-from hf_spec_cotrain.testing import build_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
 
 
 def test_sizes_default_to_plain_data_parallelism():
@@ -123,8 +123,45 @@ def test_linear_attention_and_the_moe_auxiliary_loss_are_refused_at_start():
     moe.config.output_router_logits = True
     for dims in (CP, PP):
         with pytest.raises(
-            ValueError, match=r"qwen3_moe policy: .*MoE auxiliary loss \(`output_router_logits=True`\)"
+            ValueError, match=r"qwen3_moe policy: .*MoE auxiliary loss .*set `router_aux_loss_coef=0` if the auxiliary"
         ):
             dims.check_policy(moe)
+        dims.check_policy(_policy("qwen3_moe"))
+        with pytest.raises(ValueError, match=r"TRL's `router_aux_loss_coef`, on by default for MoE policies"):
+            dims.check_policy(_policy("qwen3_moe"), aux_loss=True)  # what the trainer passes unless the coef is 0
     ParallelDims().check_policy(hybrid)  # without either parallelism nothing is refused
     ParallelDims().check_policy(moe)
+
+
+@pytest.mark.parametrize("coef, refused", [(None, True), (0.0, False)])
+def test_the_trainer_refuses_trls_moe_auxiliary_loss_at_start(tmp_path, monkeypatch, coef, refused):
+    """TRL adds the MoE auxiliary loss for any MoE policy unless `router_aux_loss_coef=0`; the parallel steps do not
+    compute it, so the trainer hands TRL's decision to `check_policy` (here under a stand-in for a 2-process run)."""
+    from datasets import Dataset
+
+    from hf_spec_cotrain import SpecCoTrainGRPOTrainer
+
+    policy_dir = save_tiny_target(tmp_path / "policy", "qwen3_moe", num_layers=8, hidden_size=64, intermediate_size=64)
+    monkeypatch.setattr(ParallelDims, "from_config", classmethod(lambda cls, config, **facts: CP))
+    config = SpecCoTrainConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        router_aux_loss_coef=coef,
+    )
+
+    def build():
+        return SpecCoTrainGRPOTrainer(
+            model=str(policy_dir),
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": ["abc", "defg"]}),
+            processing_class=build_char_tokenizer(),
+        )
+
+    # Past the check, the stand-in dims (no world size) stop the construction at the group they cannot build.
+    message = "its MoE auxiliary loss .* `router_aux_loss_coef=0`" if refused else "needs the world size"
+    with pytest.raises(ValueError, match=message):
+        build()
