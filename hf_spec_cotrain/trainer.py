@@ -86,7 +86,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             peft=is_peft_model(self.accelerator.unwrap_model(self.model)),
             tools=bool(self.tools),
         )
-        self.parallel_dims.check_policy(self._policy())
+        self.parallel_dims.check_policy(self._policy(), aux_loss=self.aux_loss_enabled)
         self.draft = self._build_draft(draft_model)
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
         self.step_times = StepTimes(self._metrics)

@@ -422,6 +422,11 @@ INVALID = {
     ),
     "scale": (lambda x: x, {"scale": -1.0}, r"scale must be a positive finite number .* got -1.0"),
     "scale_nan": (lambda x: x, {"scale": math.nan}, r"scale must be a positive finite number"),
+    "window_zero": (lambda x: x, {"sliding_window": 0}, r"sliding_window must be a positive int"),
+    "window_float": (lambda x: x, {"sliding_window": 4.0}, r"sliding_window must be a positive int"),
+    "sinks_shape": (lambda x: x, {"sinks": torch.zeros(2)}, r"one logit per query head \[Hq=4\], got \(2,\)"),
+    "sinks_integer": (lambda x: x, {"sinks": torch.zeros(4, dtype=torch.int64)}, r"sinks must be a floating-point"),
+    "sinks_list": (lambda x: x, {"sinks": [0.0] * 4}, r"sinks must be a floating-point tensor .* got list"),
 }
 
 

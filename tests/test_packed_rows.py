@@ -8,7 +8,11 @@ import torch
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
-from hf_spec_cotrain.attention.hf_adapter import ZIGZAG_RING_ATTENTION, zigzag_ring_attention
+from hf_spec_cotrain.attention.hf_adapter import (
+    ZIGZAG_RING_ATTENTION,
+    zigzag_ring_attention,
+    zigzag_ring_attention_forward,
+)
 from hf_spec_cotrain.parallel import pad_documents, zigzag_unshard
 from hf_spec_cotrain.parallel.packed_rows import (
     IGNORE_INDEX,
@@ -129,7 +133,7 @@ def test_pack_rows_rejects_bad_rows():
         pack_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, rank=2, world_size=2)
 
 
-def fused_policy(family: str, seed: int = 0):
+def fused_policy(family: str, seed: int = 0, sliding_window: int | None = None):
     model = build_tiny_target(
         family,
         num_layers=2,
@@ -140,7 +144,10 @@ def fused_policy(family: str, seed: int = 0):
         intermediate_size=96,
         seed=seed,
         dtype=torch.float64,
+        sliding_window=sliding_window,
     )
+    if family == "gpt_oss":
+        model.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     return model.train()
 
@@ -164,9 +171,15 @@ def trl_log_probs(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     return out.log_probs[:, -width:], out.entropy[:, -width:]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_one_device_packed_log_probs_and_gradients_match_trls_fused_head(family):
-    model = fused_policy(family)
+@pytest.mark.parametrize(
+    "family, window",
+    # Windows of 3 and 4 in documents of up to 13 tokens: Mistral's every layer, Qwen3's and gpt-oss's (with its
+    # sinks) every other one.
+    [("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", 3), ("qwen3", 3), ("gpt_oss", 4)],
+)
+def test_one_device_packed_log_probs_and_gradients_match_trls_fused_head(family, window):
+    model = fused_policy(family, sliding_window=window)
+    implementation = model.config._attn_implementation
     rows = random_rows([7, 2, 5], [6, 1, 4], seed=3)
     weights = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
 
@@ -182,7 +195,7 @@ def test_one_device_packed_log_probs_and_gradients_match_trls_fused_head(family)
         assert model.config._attn_implementation == ZIGZAG_RING_ATTENTION
         logps, entropies = policy_log_probs(model, pack_rows(*rows))
         loss_of(logps, entropies).backward()
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == implementation
     torch.testing.assert_close(logps, ref_logps, rtol=0, atol=1e-10)
     torch.testing.assert_close(entropies, ref_entropies, rtol=0, atol=1e-10)
     assert (ref_logps.detach() != 0).sum() == rows[3].sum()
@@ -196,10 +209,9 @@ def test_attention_adapter_needs_documents_and_rejects_unsupported_options():
     with zigzag_ring_attention(model), pytest.raises(ValueError, match="needs the packed documents"):
         model(input_ids=rows.input_ids, position_ids=rows.position_ids)
     assert model.config._attn_implementation == "sdpa"  # restored after the error
-    model.model.layers[0].self_attn.sliding_window = 4
-    with zigzag_ring_attention(model), pytest.raises(ValueError, match="sliding_window"):
-        policy_log_probs(model, rows)
-    model.model.layers[0].self_attn.sliding_window = None
+    q = k = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="no logit soft-cap; this layer asks for softcap=30.0"):
+        zigzag_ring_attention_forward(None, q, k, k, None, cu_seqlens=torch.tensor([0, 4]), softcap=30.0)
     model.config.attention_dropout = 0.1
     model.model.layers[0].self_attn.attention_dropout = 0.1
     with zigzag_ring_attention(model), pytest.raises(ValueError, match="dropout=0.1"):

@@ -6,7 +6,7 @@ import pytest
 
 from hf_spec_cotrain import SpecCoTrainConfig
 from hf_spec_cotrain.parallel import ParallelDims
-from hf_spec_cotrain.testing import build_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
 
 
 def test_sizes_default_to_plain_data_parallelism():
@@ -97,31 +97,17 @@ def _policy(family, **kwargs):
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
-def test_both_parallelisms_take_the_full_attention_families_dense_or_moe(family):
-    policy = _policy(family)
+@pytest.mark.parametrize(
+    "family, window",
+    # Full attention dense or MoE, sliding windows (Mistral's every layer, Qwen3's every other one) and gpt-oss's
+    # windows and sinks: the ring attention computes them all (tests/distributed/test_policy_cp.py).
+    [("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", None), ("qwen3_moe", None)]
+    + [("mistral", 5), ("qwen3", 8), ("gpt_oss", None)],
+)
+def test_both_parallelisms_take_the_attention_families(family, window):
+    policy = _policy(family, sliding_window=window)
     CP.check_policy(policy)
     PP.check_policy(policy)
-
-
-@pytest.mark.parametrize(
-    "family, window, reasons",
-    [
-        ("gpt_oss", None, ["sliding_attention layers (window 16)", "attention sinks (`self_attn.sinks`)"]),
-        ("mistral", 5, ["sliding_attention layers (window 5)"]),
-        ("qwen3", 8, ["sliding_attention layers (window 8)"]),
-    ],
-)
-def test_context_parallelism_refuses_windows_and_sinks_at_start(family, window, reasons):
-    policy = _policy(family, sliding_window=window)
-    with pytest.raises(ValueError, match=rf"`context_parallel_size`=2 cannot train this {family} policy") as error:
-        CP.check_policy(policy)
-    assert all(reason in str(error.value) for reason in reasons)
-    assert (
-        "Instead, train it with `context_parallel_size=1` (data parallelism) or with `pipeline_parallel_size`"
-        in str(error.value)
-    )
-    PP.check_policy(policy)  # the path the message offers instead
 
 
 def test_linear_attention_and_the_moe_auxiliary_loss_are_refused_at_start():
@@ -137,8 +123,45 @@ def test_linear_attention_and_the_moe_auxiliary_loss_are_refused_at_start():
     moe.config.output_router_logits = True
     for dims in (CP, PP):
         with pytest.raises(
-            ValueError, match=r"qwen3_moe policy: .*MoE auxiliary loss \(`output_router_logits=True`\)"
+            ValueError, match=r"qwen3_moe policy: .*MoE auxiliary loss .*set `router_aux_loss_coef=0` if the auxiliary"
         ):
             dims.check_policy(moe)
+        dims.check_policy(_policy("qwen3_moe"))
+        with pytest.raises(ValueError, match=r"TRL's `router_aux_loss_coef`, on by default for MoE policies"):
+            dims.check_policy(_policy("qwen3_moe"), aux_loss=True)  # what the trainer passes unless the coef is 0
     ParallelDims().check_policy(hybrid)  # without either parallelism nothing is refused
     ParallelDims().check_policy(moe)
+
+
+@pytest.mark.parametrize("coef, refused", [(None, True), (0.0, False)])
+def test_the_trainer_refuses_trls_moe_auxiliary_loss_at_start(tmp_path, monkeypatch, coef, refused):
+    """TRL adds the MoE auxiliary loss for any MoE policy unless `router_aux_loss_coef=0`; the parallel steps do not
+    compute it, so the trainer hands TRL's decision to `check_policy` (here under a stand-in for a 2-process run)."""
+    from datasets import Dataset
+
+    from hf_spec_cotrain import SpecCoTrainGRPOTrainer
+
+    policy_dir = save_tiny_target(tmp_path / "policy", "qwen3_moe", num_layers=8, hidden_size=64, intermediate_size=64)
+    monkeypatch.setattr(ParallelDims, "from_config", classmethod(lambda cls, config, **facts: CP))
+    config = SpecCoTrainConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        router_aux_loss_coef=coef,
+    )
+
+    def build():
+        return SpecCoTrainGRPOTrainer(
+            model=str(policy_dir),
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": ["abc", "defg"]}),
+            processing_class=build_char_tokenizer(),
+        )
+
+    # Past the check, the stand-in dims (no world size) stop the construction at the group they cannot build.
+    message = "its MoE auxiliary loss .* `router_aux_loss_coef=0`" if refused else "needs the world size"
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_spec_cotrain.attention.masks import positions_in_document
+from hf_spec_cotrain.attention.masks import block_mask, document_ids, positions_in_document
 from hf_spec_cotrain.parallel import (
     pad_documents,
     zigzag_indices,
@@ -12,6 +12,7 @@ from hf_spec_cotrain.parallel import (
     zigzag_shard,
     zigzag_unshard,
 )
+from hf_spec_cotrain.parallel.zigzag import ring_steps
 
 
 def naive_layout(doc_lengths: list[int], rank: int, world_size: int) -> tuple[list[int], list[int]]:
@@ -56,6 +57,32 @@ def test_indices_and_positions_match_the_layout(world_size):
             assert local.tolist() == list(range(len(indices)))
             seen += indices
         assert sorted(seen) == list(range(sum(lengths)))  # the shards partition the sequence
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_steps_are_those_where_some_rank_sees_some_key(world_size):
+    """Against the dense windowed mask between every pair of shards: no needed step is left out, none is extra."""
+    generator = torch.Generator().manual_seed(world_size)
+    fewer = 0
+    for trial in range(40):
+        lengths = random_layout(generator, world_size)
+        cu_seqlens = cu_of(lengths)
+        window = None if trial == 0 else int(torch.randint(1, 30, (), generator=generator))
+        doc_ids = document_ids(cu_seqlens)
+        shards = [zigzag_indices(rank, world_size, cu_seqlens=cu_seqlens) for rank in range(world_size)]
+        needed = {
+            (rank - source) % world_size
+            for rank, queries in enumerate(shards)
+            for source, keys in enumerate(shards)
+            if block_mask(queries, doc_ids[queries], keys, doc_ids[keys], window).any()
+        }
+        assert ring_steps(world_size, window, cu_seqlens=cu_seqlens) == sorted(needed), (lengths, window)
+        fewer += len(needed) < world_size
+        chunk = min(length for length in lengths if length) // (2 * world_size)
+        if window is not None and 1 < window <= chunk + 1:  # only the neighbouring chunks' ranks
+            assert sorted(needed) == sorted({0, 1 % world_size, (world_size - 1) % world_size})
+    assert ring_steps(world_size, None, length=0) == list(range(world_size))
+    assert world_size < 4 or fewer > 2  # windows that skip steps were drawn
 
 
 def test_one_document_without_cu_seqlens():

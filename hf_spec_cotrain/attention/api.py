@@ -26,6 +26,8 @@ def branch_attention(
     block_size: int = BLOCK_SIZE,
     cp_mode: str = "ring",
     query_index: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its causal trunk and its own branch keys, in one softmax.
 
@@ -48,6 +50,11 @@ def branch_attention(
         query_index: int64 `[Lq]`, strictly increasing: the positions the queries sit at, when only some
             positions need an output (the TTT's later steps). Same result as the full call at those rows, for
             the cost of Lq queries. Not with context parallelism.
+        sliding_window: a query sees the trunk keys of the last `sliding_window` positions of its document, itself
+            included (transformers' sliding-window mask); None: its whole causal past. Key blocks, and with
+            context parallelism ring steps, beyond every query's window are skipped.
+        sinks: `[Hq]` attention sinks (gpt-oss): one more logit per query head in the softmax, with no value; it
+            gets its gradient.
 
     Returns:
         `[B, Hq, L, D]` (`[B, Hq, Lq, D]` with `query_index`) in q's dtype.
@@ -58,8 +65,28 @@ def branch_attention(
         if query_index is not None:
             raise ValueError("query_index is not supported with context parallelism (cp_group of W > 1).")
         return CONTEXT_PARALLEL_FUNCS[cp_mode](
-            q, k, v, branch_k, branch_v, group=cp_group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
+            q,
+            k,
+            v,
+            branch_k,
+            branch_v,
+            group=cp_group,
+            cu_seqlens=cu_seqlens,
+            scale=scale,
+            block_size=block_size,
+            sliding_window=sliding_window,
+            sinks=sinks,
         )
     return blockwise_branch_attention_func(
-        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size, query_index=query_index
+        q,
+        k,
+        v,
+        branch_k,
+        branch_v,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        block_size=block_size,
+        query_index=query_index,
+        sliding_window=sliding_window,
+        sinks=sinks,
     )

@@ -6,7 +6,8 @@ Layout, following ring-flash-attention: the per-block pieces first (`block_forwa
 loop over blocks (`trunk_forward` / `trunk_backward` take global positions and document ids for
 queries and keys separately, so a ring driver can call them on a key shard from another rank),
 then the single-device forward/backward, an autograd `Function` that only delegates, and a `*_func` wrapper that
-validates. The public `branch_attention` (`api.py`) dispatches to it or to a context-parallel strategy (`ring.py`).
+validates. A sliding window is part of the trunk mask (`masks.py`); attention sinks are merged into the final
+result (`add_sinks`, `sink_grads`). The public `branch_attention` (`api.py`) dispatches to it or to a context-parallel strategy (`ring.py`).
 
 Internal layout: queries are grouped by key/value head, `[B, Hkv, G, L, D]` with `G = Hq // Hkv`,
 so GQA never repeats K/V; log-sum-exps are `[B, Hkv, G, L]`. Everything inside runs in the
@@ -150,11 +151,12 @@ def trunk_forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     kernel_dtype: torch.dtype | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal, document-masked attention of `q [B, Hkv, G, Lq, D]` over `k, v [B, Hkv, Lk, D]`, block by block.
 
-    Positions and document ids are global (`[Lq]` and `[Lk]`); key blocks that no query of a block
-    can see are skipped. Queries that see no key here get a zero output and `lse = -inf`.
+    Positions and document ids are global (`[Lq]` and `[Lk]`); `window` is the sliding window (None: full
+    causal). Key blocks that no query of a block can see are skipped. Queries that see no key here get a zero output and `lse = -inf`.
     `query_spans`/`key_spans` replace the fixed-size blocks (the ring cuts them at zigzag chunk
     boundaries, so that whole invisible chunks are skipped). Given a running `(out, lse)`, this key
     shard's result is merged into it in place (one ring step), and the same tensors are returned.
@@ -174,11 +176,11 @@ def trunk_forward(
         q_block = q[:, :, :, rows].contiguous()
         block_out = block_lse = None
         for key_span in key_spans:
-            visibility = block_visibility(query_span, key_span)
+            visibility = block_visibility(query_span, key_span, window)
             if visibility is Visibility.SKIP:
                 continue
             cols = slice(key_span.start, key_span.end)
-            mask_kind = kernels.block_mask_kind(query_span, key_span, visibility)
+            mask_kind = kernels.block_mask_kind(query_span, key_span, visibility, window)
             backend = kernels.backend_for(kernel_q, mask_kind)
             if backend != kernels.BLOCKWISE:
                 pair_out, pair_lse = kernels.fused_block_forward(
@@ -194,7 +196,7 @@ def trunk_forward(
                 mask = None
                 if visibility is Visibility.PARTIAL:
                     mask = block_mask(
-                        query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols]
+                        query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols], window
                     )
                 pair_out, pair_lse = block_forward(q_block, k[:, :, cols], v[:, :, cols], scale=scale, mask=mask)
             if block_out is None:
@@ -229,10 +231,11 @@ def trunk_backward(
     query_spans: list[BlockSpan] | None = None,
     key_spans: list[BlockSpan] | None = None,
     dq: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `trunk_forward` given the final `lse` and `delta`; returns `dq` and the `dk, dv` of this key shard.
 
-    Spans as in `trunk_forward`; a given `dq` is accumulated into in place (the ring sums over key shards).
+    Spans and window as in `trunk_forward`; a given `dq` is accumulated into in place (the ring sums over key shards).
     """
     if dq is None:
         dq = torch.zeros_like(q)
@@ -249,13 +252,15 @@ def trunk_backward(
         lse_block, delta_block = lse[:, :, :, rows].contiguous(), delta[:, :, :, rows].contiguous()
         dq_block = dq[:, :, :, rows]
         for key_span in key_spans:
-            visibility = block_visibility(query_span, key_span)
+            visibility = block_visibility(query_span, key_span, window)
             if visibility is Visibility.SKIP:
                 continue
             cols = slice(key_span.start, key_span.end)
             mask = None
             if visibility is Visibility.PARTIAL:
-                mask = block_mask(query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols])
+                mask = block_mask(
+                    query_positions[rows], query_doc_ids[rows], key_positions[cols], key_doc_ids[cols], window
+                )
             pair_dq, pair_dk, pair_dv = block_backward(
                 dout_block, q_block, k[:, :, cols], v[:, :, cols], lse_block, delta_block, scale=scale, mask=mask
             )
@@ -308,18 +313,48 @@ def add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq
     return dbranch_k.to(branch_k.dtype), dbranch_v.to(branch_v.dtype)
 
 
+def _grouped_sinks(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`[Hq]` -> `[Hkv, G, 1]` in the compute dtype, to broadcast against `lse [B, Hkv, G, L]`."""
+    return sinks.to(lse.dtype).view(*lse.shape[1:3], 1)
+
+
+def add_sinks(out, lse, sinks):
+    """Merge the attention sinks (gpt-oss: one learnt logit per query head, with no value) into the final result.
+
+    A sink is one more partial with a zero output and `lse = sink`, merged once after every key:
+    `out * sigmoid(lse - sink)` and `logaddexp(lse, sink)`. The backward then needs nothing else but `sink_grads`:
+    with this `lse` and `delta = rowsum(dout * out)` of the final output, the per-block gradients already see the
+    sink in the softmax. Nothing to do without sinks.
+    """
+    if sinks is None:
+        return out, lse
+    sink = _grouped_sinks(sinks, lse)
+    return out * torch.sigmoid(lse - sink).unsqueeze(-1), torch.logaddexp(lse, sink)
+
+
+def sink_grads(sinks, lse, delta):
+    """d loss / d sinks `[Hq]` in the sinks' dtype (None without sinks): `-sum p_sink * delta` over batch and
+    queries, with `p_sink = exp(sink - lse)` the sink's softmax weight under the final `lse`."""
+    if sinks is None:
+        return None
+    weight = torch.exp(_grouped_sinks(sinks, lse) - lse)
+    return -(weight * delta).sum(dim=(0, 3)).flatten().to(sinks.dtype)
+
+
 def branch_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     *,
     positions: torch.Tensor,
     doc_ids: torch.Tensor,
     query_index: torch.Tensor | None,
     scale: float,
     block_size: int,
+    window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Single-device forward on public layouts; returns `out [B, Hq, Lq, D]` in q's dtype and `lse [B, Hkv, G, Lq]`."""
     dtype = _compute_dtype(q.dtype)
@@ -336,8 +371,10 @@ def branch_attention_forward(
         scale=scale,
         block_size=block_size,
         kernel_dtype=q.dtype,
+        window=window,
     )
     out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    out, lse = add_sinks(out, lse, sinks)
     return out.flatten(1, 2).to(q.dtype), lse
 
 
@@ -348,6 +385,7 @@ def branch_attention_backward(
     v: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -356,8 +394,10 @@ def branch_attention_backward(
     query_index: torch.Tensor | None,
     scale: float,
     block_size: int,
+    window: int | None,
 ) -> tuple[torch.Tensor, ...]:
-    """Single-device backward; returns `dq, dk, dv, dbranch_k, dbranch_v` in the inputs' dtypes (None without branch)."""
+    """Single-device backward; returns `dq, dk, dv, dbranch_k, dbranch_v, dsinks` in the inputs' dtypes (None without
+    branch, without sinks)."""
     q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, k.shape[1])
     dtype = q_grouped.dtype
     query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
@@ -374,9 +414,11 @@ def branch_attention_backward(
         key_doc_ids=doc_ids,
         scale=scale,
         block_size=block_size,
+        window=window,
     )
     dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
-    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
+    dsinks = sink_grads(sinks, lse, delta)
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v, dsinks
 
 
 def autocast_off(tensor: torch.Tensor):
@@ -396,20 +438,20 @@ class BranchAttentionFunction(torch.autograd.Function):
     """Saves only the inputs, the output and the log-sum-exp (linear in L); the backward recomputes per block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, positions, doc_ids, query_index, scale, block_size):
-        layout = dict(positions=positions, doc_ids=doc_ids, query_index=query_index)
+    def forward(ctx, q, k, v, branch_k, branch_v, sinks, positions, doc_ids, query_index, scale, block_size, window):
+        options = dict(query_index=query_index, scale=scale, block_size=block_size, window=window)
         with autocast_off(q):
             out, lse = branch_attention_forward(
-                q, k, v, branch_k, branch_v, **layout, scale=scale, block_size=block_size
+                q, k, v, branch_k, branch_v, sinks, positions=positions, doc_ids=doc_ids, **options
             )
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse, positions, doc_ids, query_index)
-        ctx.scale, ctx.block_size = scale, block_size
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, sinks, out, lse, positions, doc_ids, query_index)
+        ctx.scale, ctx.block_size, ctx.window = scale, block_size, window
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, branch_k, branch_v, out, lse, positions, doc_ids, query_index = ctx.saved_tensors
+        q, k, v, branch_k, branch_v, sinks, out, lse, positions, doc_ids, query_index = ctx.saved_tensors
         with autocast_off(q):
             grads = branch_attention_backward(
                 dout,
@@ -418,6 +460,7 @@ class BranchAttentionFunction(torch.autograd.Function):
                 v,
                 branch_k,
                 branch_v,
+                sinks,
                 out,
                 lse,
                 positions=positions,
@@ -425,8 +468,9 @@ class BranchAttentionFunction(torch.autograd.Function):
                 query_index=query_index,
                 scale=ctx.scale,
                 block_size=ctx.block_size,
+                window=ctx.window,
             )
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 def blockwise_branch_attention_func(
@@ -440,11 +484,22 @@ def blockwise_branch_attention_func(
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
     query_index: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`branch_attention` on one device (the whole sequence here), after validating its inputs."""
     check_int(block_size, "block_size")
     branch_k, branch_v, scale = check_branch_attention_inputs(
-        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale, query_index=query_index
+        q,
+        k,
+        v,
+        branch_k,
+        branch_v,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        query_index=query_index,
+        sliding_window=sliding_window,
+        sinks=sinks,
     )
     length = k.shape[2]
     positions = torch.arange(length, device=q.device)
@@ -453,5 +508,5 @@ def blockwise_branch_attention_func(
     else:
         doc_ids = document_ids(cu_seqlens.to(q.device))
     return BranchAttentionFunction.apply(
-        q, k, v, branch_k, branch_v, positions, doc_ids, query_index, scale, block_size
+        q, k, v, branch_k, branch_v, sinks, positions, doc_ids, query_index, scale, block_size, sliding_window
     )

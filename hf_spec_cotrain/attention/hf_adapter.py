@@ -8,7 +8,9 @@ keyword arguments with it, so the recomputation in the backward (possibly on ano
 
 The attention is `branch_attention` with no branch: causal within each packed document, every tensor this rank's
 zigzag shard, exact (the same result as one device). The layout *is* the mask, so the implementation registers no
-mask function and transformers builds no dense mask for it.
+mask function and transformers builds no dense mask for it. Each layer passes its own `sliding_window` (None for
+gpt-oss's and Gemma-style full-attention layers, the config's for Mistral's every layer) and gpt-oss its sinks
+(`s_aux`), as they do to transformers' own implementations.
 """
 
 from collections.abc import Iterator
@@ -49,8 +51,10 @@ def zigzag_ring_attention_forward(
         attention_mask: ignored (the documents in `cu_seqlens` are the mask).
         cu_seqlens: global boundaries of the packed documents (each a multiple of `2 W` long).
         cp_group: the context-parallel group (every rank must call); None or a group of one: one device.
-        sliding_window, softcap, s_aux: must be None (not supported by the ring kernel; the trainer refuses such
-            policies when it is built, `ParallelDims.check_policy`).
+        sliding_window: this layer's window (transformers' semantics: the query and the `sliding_window - 1`
+            positions before it), or None.
+        s_aux: the layer's attention sinks `[Hq]` (gpt-oss), or None.
+        softcap: must be None (a logit soft-cap is not in the ring kernel).
 
     Returns:
         `([1, n, Hq, D], None)`, like transformers' SDPA implementation.
@@ -60,15 +64,20 @@ def zigzag_ring_attention_forward(
             f"The `{ZIGZAG_RING_ATTENTION}` attention needs the packed documents: call the model with `cu_seqlens` "
             "(and `cp_group`), as `hf_spec_cotrain.parallel.packed_rows` does."
         )
-    unsupported = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux}
-    unsupported = {name: value for name, value in unsupported.items() if value is not None}
-    if unsupported:
-        raise ValueError(
-            f"Context-parallel attention supports full causal attention only; this layer asks for {unsupported}."
-        )
+    if softcap is not None:
+        raise ValueError(f"Context-parallel attention has no logit soft-cap; this layer asks for softcap={softcap}.")
     if dropout:
         raise ValueError(f"Context-parallel attention has no dropout; got dropout={dropout} (set it to 0).")
-    out = branch_attention(query, key, value, cu_seqlens=cu_seqlens, cp_group=cp_group, scale=scaling)
+    out = branch_attention(
+        query,
+        key,
+        value,
+        cu_seqlens=cu_seqlens,
+        cp_group=cp_group,
+        scale=scaling,
+        sliding_window=sliding_window,
+        sinks=s_aux,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

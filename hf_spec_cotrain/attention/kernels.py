@@ -36,14 +36,17 @@ _forced_backend: str | None = None
 _logged_fallbacks: set[str] = set()
 
 
-def block_mask_kind(query: BlockSpan, key: BlockSpan, visibility: Visibility) -> str:
-    """FULL, CAUSAL (one document, the same consecutive positions on both sides) or EXPLICIT, for a visible pair."""
+def block_mask_kind(query: BlockSpan, key: BlockSpan, visibility: Visibility, window: int | None = None) -> str:
+    """FULL, CAUSAL (one document, the same consecutive positions on both sides, no sliding window cutting into the
+    block) or EXPLICIT, for a visible pair."""
     if visibility is Visibility.FULL:
         return FULL
     same_positions = (query.pos_min, query.pos_max) == (key.pos_min, key.pos_max)
-    consecutive = query.end - query.start == key.end - key.start == query.pos_max - query.pos_min + 1
+    length = query.end - query.start
+    consecutive = length == key.end - key.start == query.pos_max - query.pos_min + 1
     one_document = query.doc_min == query.doc_max == key.doc_min == key.doc_max
-    return CAUSAL if same_positions and consecutive and one_document else EXPLICIT
+    within_window = window is None or window >= length  # the block's longest distance is length - 1
+    return CAUSAL if same_positions and consecutive and one_document and within_window else EXPLICIT
 
 
 def select_block_backend(

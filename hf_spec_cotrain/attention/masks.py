@@ -1,6 +1,8 @@
 """Pure helpers for the branch-attention trunk mask: document ids, block summaries, block visibility.
 
-The trunk mask is "key position <= query position, and same packed document". It is never built
+The trunk mask is "key position <= query position, and same packed document", and with a sliding window of `w`
+also "key position > query position - w" (transformers' `sliding_window_overlay`: the query and the w - 1 keys
+before it). It is never built
 at L x L: a block of queries and a block of keys are first classified from their position and
 document ranges, and only blocks that straddle a boundary get an explicit (block x block) mask.
 Positions are global (for context parallelism a rank passes the global positions of its shard),
@@ -77,17 +79,23 @@ def block_spans(positions: torch.Tensor, doc_ids: torch.Tensor, block_size: int)
 class Visibility(enum.Enum):
     """How a key block is seen by a query block."""
 
-    SKIP = "skip"  # no query sees any key: causal future or other documents only
+    SKIP = "skip"  # no query sees any key: causal future, other documents or beyond the window only
     FULL = "full"  # every query sees every key: no mask needed
     PARTIAL = "partial"  # needs an explicit block mask
 
 
-def block_visibility(query: BlockSpan, key: BlockSpan) -> Visibility:
-    """Classify a (query block, key block) pair from their ranges alone (conservative: SKIP and FULL are exact)."""
+def block_visibility(query: BlockSpan, key: BlockSpan, window: int | None = None) -> Visibility:
+    """Classify a (query block, key block) pair from their ranges alone (conservative: SKIP and FULL are exact).
+
+    `window`: the sliding window in positions, None for full causal attention.
+    """
     if key.pos_min > query.pos_max or key.doc_max < query.doc_min or key.doc_min > query.doc_max:
         return Visibility.SKIP
+    if window is not None and key.pos_max <= query.pos_min - window:
+        return Visibility.SKIP  # every key is out of the window of the block's first query, hence of all
     single_document = key.doc_min == key.doc_max == query.doc_min == query.doc_max
-    if single_document and key.pos_max <= query.pos_min:
+    within_window = window is None or key.pos_min > query.pos_max - window
+    if single_document and key.pos_max <= query.pos_min and within_window:
         return Visibility.FULL
     return Visibility.PARTIAL
 
@@ -97,8 +105,11 @@ def block_mask(
     query_doc_ids: torch.Tensor,
     key_positions: torch.Tensor,
     key_doc_ids: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Boolean `[num_queries, num_keys]` trunk mask: True where the key is visible to the query."""
-    causal = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
-    same_document = key_doc_ids.unsqueeze(0) == query_doc_ids.unsqueeze(1)
-    return causal & same_document
+    offsets = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
+    visible = offsets >= 0
+    if window is not None:
+        visible &= offsets < window
+    return visible & (key_doc_ids.unsqueeze(0) == query_doc_ids.unsqueeze(1))

@@ -15,13 +15,16 @@ def branch_attention_reference(
     *,
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `branch_attention`, computed with one explicit mask over `[trunk keys; branch keys]`.
+    """Same contract as `branch_attention`, computed with one explicit mask over `[trunk keys; branch keys]`, and
+    the sinks as one more score column that is dropped after the softmax.
 
     Half-precision inputs are computed in float32; the result is returned in q's dtype.
     """
     branch_k, branch_v, scale = check_branch_attention_inputs(
-        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale
+        q, k, v, branch_k, branch_v, cu_seqlens=cu_seqlens, scale=scale, sliding_window=sliding_window, sinks=sinks
     )
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     length = q.shape[2]
@@ -41,10 +44,16 @@ def branch_attention_reference(
     else:
         doc_ids = document_ids(cu_seqlens.to(q.device))
     trunk_mask = (positions[None, :] <= positions[:, None]) & (doc_ids[None, :] == doc_ids[:, None])
+    if sliding_window is not None:
+        trunk_mask &= positions[None, :] > positions[:, None] - sliding_window
     branch_mask = positions[None, :] == positions[:, None]
     num_branch = 0 if branch_k is None else branch_k.shape[0]
     mask = torch.cat([trunk_mask] + [branch_mask] * num_branch, dim=1)
 
     scores = torch.matmul(q.to(compute_dtype), keys.transpose(-1, -2)) * scale
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : keys.shape[2]]
     return torch.matmul(probs, values).to(q.dtype)

@@ -17,6 +17,9 @@ the chunks that the causal structure makes invisible from a query chunk are skip
 from an earlier rank the second half of the keys, from a later rank the first half of the queries).
 Each step's blocks run on the per-block kernel that `kernels.py` chooses (a fused CUDA kernel that returns the
 log-sum-exp where one takes the block, else pure PyTorch); the backward is pure PyTorch.
+A sliding window also skips whole ring steps (`ring_steps`): the K/V then hop over the ranks that no query
+needs (`RingComm` offsets), so a window shorter than a chunk costs 2 hops instead of W - 1. Attention sinks
+(one logit per query head, with no value) are merged once, after the last key (`add_sinks`).
 
 Layout, following ring-flash-attention: for each variant the forward, the backward, an autograd `Function`
 that only delegates, and a `*_func` wrapper that validates.
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.comm import RingComm, all_gather_stacked, group_rank_and_size, reduce_scatter_stacked
-from ..parallel.zigzag import zigzag_bounds, zigzag_indices
+from ..parallel.zigzag import ring_steps, zigzag_bounds, zigzag_indices
 from ..validation import check_cu_seqlens, check_int
 from .blockwise import (
     BLOCK_SIZE,
@@ -36,9 +39,11 @@ from .blockwise import (
     _grouped,
     add_branch_grads,
     add_branch_partial,
+    add_sinks,
     autocast_off,
     empty_partial,
     grouped_backward_inputs,
+    sink_grads,
     trunk_backward,
     trunk_forward,
 )
@@ -48,7 +53,8 @@ from .validation import check_branch_attention_inputs
 
 @dataclass(frozen=True)
 class ZigzagLayout:
-    """Global indices, document ids and blocks of every rank's shard, as all ranks compute them alike."""
+    """Global indices, document ids and blocks of every rank's shard, the sliding window and the ring steps that
+    it leaves, as all ranks compute them alike."""
 
     group: dist.ProcessGroup
     rank: int
@@ -56,6 +62,8 @@ class ZigzagLayout:
     positions: list[torch.Tensor]
     doc_ids: list[torch.Tensor]
     spans: list[list[BlockSpan]]
+    window: int | None
+    steps: list[int]
 
     @classmethod
     def build(
@@ -66,6 +74,7 @@ class ZigzagLayout:
         cu_seqlens: torch.Tensor | None,
         block_size: int,
         device: torch.device,
+        window: int | None,
     ) -> "ZigzagLayout":
         rank, world_size = group_rank_and_size(group)
         bounds = zigzag_bounds(world_size, cu_seqlens=cu_seqlens, length=local_length * world_size)
@@ -76,11 +85,18 @@ class ZigzagLayout:
             spans.append(block_spans(indices, documents, block_size))
             positions.append(indices.to(device))
             doc_ids.append(documents.to(device))
-        return cls(group, rank, world_size, positions, doc_ids, spans)
+        steps = ring_steps(world_size, window, cu_seqlens=bounds)
+        return cls(group, rank, world_size, positions, doc_ids, spans, window, steps)
 
     def source(self, step: int) -> int:
         """The rank whose trunk K/V this rank holds at ring step `step`."""
         return (self.rank - step) % self.world_size
+
+    def hop(self, index: int) -> int:
+        """How far the K/V (and their dK/dV) travel after the `index`-th of the steps: to the next step, and after
+        the last one home to their owner."""
+        following = self.steps[index + 1] if index + 1 < len(self.steps) else self.world_size
+        return following - self.steps[index]
 
     def trunk_kwargs(self, source: int, block_size: int) -> dict:
         """`trunk_forward` / `trunk_backward` keyword arguments for this rank's queries against `source`'s keys."""
@@ -92,6 +108,7 @@ class ZigzagLayout:
             "query_spans": self.spans[self.rank],
             "key_spans": self.spans[source],
             "block_size": block_size,
+            "window": self.window,
         }
 
 
@@ -104,6 +121,7 @@ def ring_branch_attention_forward(
     v: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     *,
     layout: ZigzagLayout,
     scale: float,
@@ -116,10 +134,11 @@ def ring_branch_attention_forward(
     out, lse = empty_partial(q_grouped)
     key, value = k.contiguous(), v.contiguous()  # travel in the input dtype, computed on in the compute dtype
     comm = RingComm(layout.group)
-    for step in range(layout.world_size):
-        more = step + 1 < layout.world_size
+    for index, step in enumerate(layout.steps):
+        more = index + 1 < len(layout.steps)
         if more:
-            next_key, next_value = comm.send_recv(key), comm.send_recv(value)
+            hop = layout.hop(index)
+            next_key, next_value = comm.send_recv(key, offset=hop), comm.send_recv(value, offset=hop)
             comm.commit()
         trunk_forward(
             q_grouped,
@@ -135,6 +154,7 @@ def ring_branch_attention_forward(
             comm.wait()
             key, value = next_key, next_value
     out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    out, lse = add_sinks(out, lse, sinks)
     return out.flatten(1, 2).to(q.dtype), lse, (k, v)
 
 
@@ -145,6 +165,7 @@ def ring_branch_attention_backward(
     v: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -152,22 +173,24 @@ def ring_branch_attention_backward(
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Ring backward: `dq, dk, dv, dbranch_k, dbranch_v` of this rank's shard (None without branch).
+    """Ring backward: `dq, dk, dv, dbranch_k, dbranch_v, dsinks` of this rank's shard (None without branch, without
+    sinks; `dsinks` is this rank's share, summed over the group with the other parameters' gradients).
 
-    At step s this rank holds the K/V of rank r - s together with the dK/dV that ranks r - s .. r - 1 have
+    At step s this rank holds the K/V of rank r - s together with the dK/dV that the ranks of the earlier steps have
     accumulated for them; it adds its own and passes both on, so the sums arrive home after the last step.
     """
     q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, k.shape[1])
     dtype = q_grouped.dtype
     dq = torch.zeros_like(q_grouped)
     key, value = k.contiguous(), v.contiguous()
-    world_size = layout.world_size
+    travels = len(layout.steps) > 1
     kv_comm, dkv_comm = RingComm(layout.group, tag=0), RingComm(layout.group, tag=1)
     dk_arriving = dv_arriving = None  # the dK/dV accumulated upstream for the K/V this rank holds
-    for step in range(world_size):
-        more = step + 1 < world_size
+    for index, step in enumerate(layout.steps):
+        more = index + 1 < len(layout.steps)
+        hop = layout.hop(index)
         if more:
-            next_key, next_value = kv_comm.send_recv(key), kv_comm.send_recv(value)
+            next_key, next_value = kv_comm.send_recv(key, offset=hop), kv_comm.send_recv(value, offset=hop)
             kv_comm.commit()
         _, dk, dv = trunk_backward(
             dout_grouped,
@@ -180,21 +203,22 @@ def ring_branch_attention_backward(
             dq=dq,
             **layout.trunk_kwargs(layout.source(step), block_size),
         )
-        if step > 0:
+        if index > 0:
             dkv_comm.wait()
             dk.add_(dk_arriving)
             dv.add_(dv_arriving)
         if more:
             kv_comm.wait()
             key, value = next_key, next_value
-        if world_size > 1:
-            dk_arriving, dv_arriving = dkv_comm.send_recv(dk), dkv_comm.send_recv(dv)
+        if travels:
+            dk_arriving, dv_arriving = dkv_comm.send_recv(dk, offset=hop), dkv_comm.send_recv(dv, offset=hop)
             dkv_comm.commit()
-    if world_size > 1:
+    if travels:
         dkv_comm.wait()
         dk, dv = dk_arriving, dv_arriving
     dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
-    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v
+    dsinks = sink_grads(sinks, lse, delta)
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbranch_k, dbranch_v, dsinks
 
 
 # ---------------------------------------------------------------------------------------------------- all-gather
@@ -206,6 +230,7 @@ def allgather_branch_attention_forward(
     v: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     *,
     layout: ZigzagLayout,
     scale: float,
@@ -220,7 +245,7 @@ def allgather_branch_attention_forward(
     q_grouped = _grouped(q, k.shape[1], dtype)
     out, lse = empty_partial(q_grouped)
     keys, values = all_gather_stacked(k, layout.group), all_gather_stacked(v, layout.group)
-    for source in range(layout.world_size):
+    for source in map(layout.source, layout.steps):
         trunk_forward(
             q_grouped,
             keys[source].to(dtype),
@@ -232,6 +257,7 @@ def allgather_branch_attention_forward(
             **layout.trunk_kwargs(source, block_size),
         )
     out, lse = add_branch_partial(q_grouped, branch_k, branch_v, out, lse, scale=scale)
+    out, lse = add_sinks(out, lse, sinks)
     return out.flatten(1, 2).to(q.dtype), lse, (keys, values)
 
 
@@ -242,6 +268,7 @@ def allgather_branch_attention_backward(
     values: torch.Tensor,
     branch_k: torch.Tensor | None,
     branch_v: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -254,9 +281,9 @@ def allgather_branch_attention_backward(
     q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, keys.shape[2])
     dtype = q_grouped.dtype
     dq = torch.zeros_like(q_grouped)
-    dkeys = keys.new_empty(keys.shape, dtype=dtype)
-    dvalues = values.new_empty(values.shape, dtype=dtype)
-    for source in range(layout.world_size):
+    dkeys = keys.new_zeros(keys.shape, dtype=dtype)  # zero for the ranks that a window skips
+    dvalues = values.new_zeros(values.shape, dtype=dtype)
+    for source in map(layout.source, layout.steps):
         _, dkeys[source], dvalues[source] = trunk_backward(
             dout_grouped,
             q_grouped,
@@ -270,7 +297,8 @@ def allgather_branch_attention_backward(
         )
     dk, dv = reduce_scatter_stacked(dkeys, layout.group), reduce_scatter_stacked(dvalues, layout.group)
     dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
-    return dq.flatten(1, 2).to(q.dtype), dk.to(keys.dtype), dv.to(values.dtype), dbranch_k, dbranch_v
+    dsinks = sink_grads(sinks, lse, delta)
+    return dq.flatten(1, 2).to(q.dtype), dk.to(keys.dtype), dv.to(values.dtype), dbranch_k, dbranch_v, dsinks
 
 
 class ShardedBranchAttentionFunction(torch.autograd.Function):
@@ -278,13 +306,13 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
     hands over (`kernels`: the strategy's forward and backward, ring or all-gather)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, layout, scale, block_size, kernels):
+    def forward(ctx, q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels):
         forward, _ = kernels
         with autocast_off(q):
             out, lse, (trunk_k, trunk_v) = forward(
-                q, k, v, branch_k, branch_v, layout=layout, scale=scale, block_size=block_size
+                q, k, v, branch_k, branch_v, sinks, layout=layout, scale=scale, block_size=block_size
             )
-        ctx.save_for_backward(q, trunk_k, trunk_v, branch_k, branch_v, out, lse)
+        ctx.save_for_backward(q, trunk_k, trunk_v, branch_k, branch_v, sinks, out, lse)
         ctx.layout, ctx.scale, ctx.block_size, ctx.kernels = layout, scale, block_size, kernels
         return out
 
@@ -300,10 +328,10 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- wrappers
 
 
-def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size):
+def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, sliding_window, sinks):
     """Validate zigzag-sharded inputs (`cu_seqlens` global) and build the layout."""
     branch_k, branch_v, scale = check_branch_attention_inputs(
-        q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale
+        q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale, sliding_window=sliding_window, sinks=sinks
     )
     check_int(block_size, "block_size")
     if group is None:
@@ -313,7 +341,12 @@ def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_siz
         # cu_seqlens spans the global sequence: W times this rank's shard.
         check_cu_seqlens(cu_seqlens, length=q.shape[2] * world_size, batch_size=q.shape[0])
     layout = ZigzagLayout.build(
-        group=group, local_length=q.shape[2], cu_seqlens=cu_seqlens, block_size=block_size, device=q.device
+        group=group,
+        local_length=q.shape[2],
+        cu_seqlens=cu_seqlens,
+        block_size=block_size,
+        device=q.device,
+        window=sliding_window,
     )
     return branch_k, branch_v, scale, layout
 
@@ -329,13 +362,25 @@ def ring_branch_attention_func(
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call."""
     branch_k, branch_v, scale, layout = _prepare(
-        q, k, v, branch_k, branch_v, group=group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
+        q,
+        k,
+        v,
+        branch_k,
+        branch_v,
+        group=group,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        sinks=sinks,
     )
     kernels = (ring_branch_attention_forward, ring_branch_attention_backward)
-    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size, kernels)
+    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
 
 
 def allgather_branch_attention_func(
@@ -349,13 +394,25 @@ def allgather_branch_attention_func(
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`branch_attention` on zigzag shards with the all-gather-K/V baseline; every rank must call."""
     branch_k, branch_v, scale, layout = _prepare(
-        q, k, v, branch_k, branch_v, group=group, cu_seqlens=cu_seqlens, scale=scale, block_size=block_size
+        q,
+        k,
+        v,
+        branch_k,
+        branch_v,
+        group=group,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        sinks=sinks,
     )
     kernels = (allgather_branch_attention_forward, allgather_branch_attention_backward)
-    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, layout, scale, block_size, kernels)
+    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
 
 
 CONTEXT_PARALLEL_FUNCS = {"ring": ring_branch_attention_func, "allgather": allgather_branch_attention_func}

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from ..validation import check_cu_seqlens
+from ..validation import check_cu_seqlens, check_int
 
 
 def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -21,11 +21,14 @@ def check_branch_attention_inputs(
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
     query_index: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     """Validate the inputs of `branch_attention` and return `(branch_k, branch_v, scale)` normalised.
 
     An empty branch (S == 0) is returned as None, and a missing scale as `D**-0.5`. With `query_index`, q (and
-    the branch) cover only those positions of the L keys.
+    the branch) cover only those positions of the L keys. `sinks` may have another floating dtype than q (a
+    float32 parameter next to bf16 activations under autocast).
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor):
@@ -90,6 +93,16 @@ def check_branch_attention_inputs(
 
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, length=length, batch_size=batch_size)
+    if sliding_window is not None:
+        check_int(sliding_window, "sliding_window", hint=" (the query and the sliding_window - 1 keys before it)")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_q_heads,) or not sinks.dtype.is_floating_point:
+            raise ValueError(
+                f"sinks must be a floating-point tensor of one logit per query head [Hq={num_q_heads}], got "
+                f"{_shape(sinks) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}."
+            )
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}.")
 
     if scale is None:
         scale = head_dim**-0.5

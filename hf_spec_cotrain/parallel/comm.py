@@ -20,7 +20,8 @@ def group_rank_and_size(group: dist.ProcessGroup) -> tuple[int, int]:
 
 
 class RingComm:
-    """Asynchronous exchange with the ring neighbours of a group: send to rank + 1, receive from rank - 1.
+    """Asynchronous exchange along a ring of a group: send to rank + offset, receive from rank - offset (offset 1:
+    the neighbours; a larger one skips ranks, as a sliding window lets the ring do).
 
     One round: call `send_recv` for each tensor to pass on (each returns the buffer its counterpart lands in),
     then `commit` to post them all at once, compute, and `wait` before reading the buffers. The sent tensors
@@ -31,14 +32,15 @@ class RingComm:
         self.group = group
         self.tag = tag
         self.rank, self.world_size = group_rank_and_size(group)
-        self.send_peer = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
-        self.recv_peer = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
         self._ops: list[dist.P2POp] = []
         self._requests: list | None = None
         self._in_flight: list[torch.Tensor] = []
 
-    def send_recv(self, tensor: torch.Tensor, recv_buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Queue sending `tensor` to the next rank and receiving its twin from the previous one; returns the buffer."""
+    def send_recv(
+        self, tensor: torch.Tensor, recv_buffer: torch.Tensor | None = None, *, offset: int = 1
+    ) -> torch.Tensor:
+        """Queue sending `tensor` to rank + `offset` and receiving its twin from rank - `offset`; returns the
+        buffer."""
         if self._requests is not None:
             raise RuntimeError("RingComm.send_recv called while a round is in flight: call wait() first.")
         if not tensor.is_contiguous():
@@ -50,8 +52,10 @@ class RingComm:
                 f"RingComm.send_recv: recv_buffer {tuple(recv_buffer.shape)} {recv_buffer.dtype} does not match the "
                 f"sent tensor {tuple(tensor.shape)} {tensor.dtype}."
             )
-        self._ops.append(dist.P2POp(dist.isend, tensor, self.send_peer, self.group, self.tag))
-        self._ops.append(dist.P2POp(dist.irecv, recv_buffer, self.recv_peer, self.group, self.tag))
+        send_peer = dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+        recv_peer = dist.get_global_rank(self.group, (self.rank - offset) % self.world_size)
+        self._ops.append(dist.P2POp(dist.isend, tensor, send_peer, self.group, self.tag))
+        self._ops.append(dist.P2POp(dist.irecv, recv_buffer, recv_peer, self.group, self.tag))
         self._in_flight += [tensor, recv_buffer]
         return recv_buffer
 

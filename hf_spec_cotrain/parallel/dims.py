@@ -15,6 +15,9 @@ from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .pipeline import GRPO_LOSS_TYPES, MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
 
 
+AUX_LOSS_OPTIONS = "TRL's `router_aux_loss_coef`, on by default for MoE policies, or `output_router_logits=True`"
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The context- and pipeline-parallel sizes of a run, and its world size when known (None: not yet).
@@ -94,44 +97,41 @@ class ParallelDims:
             )
         return dims
 
-    def check_policy(self, policy) -> None:
+    def check_policy(self, policy, *, aux_loss: bool = False) -> None:
         """Refuse, at trainer start, a policy whose layers this run's parallel step would compute wrongly.
 
-        The zigzag ring attention is full causal attention over packed documents: a sliding window, attention sinks
-        or a recurrent (linear-attention) layer would be computed as something else. The pipelined step cuts stages
-        of attention layers (full or sliding, dense or MoE) and computes the GRPO loss without a MoE auxiliary loss.
+        The zigzag ring attention computes full and sliding-window attention layers (with or without sinks) exactly;
+        a recurrent (linear-attention) layer would be computed as something else. The pipelined step cuts stages of
+        attention layers (full or sliding, dense or MoE). Neither computes a MoE auxiliary loss: `aux_loss` says
+        whether TRL adds one to the GRPO loss (the trainer passes its `aux_loss_enabled`, on for an MoE policy unless
+        `router_aux_loss_coef=0`); a policy config with `output_router_logits=True` is refused either way.
         """
         config = policy.config.get_text_config()
         kinds = set(layer_types(config))
-        aux_loss = bool(getattr(config, "output_router_logits", False))
+        aux_loss = aux_loss or bool(getattr(config, "output_router_logits", False))
+        no_aux_loss = ", or set `router_aux_loss_coef=0` if the auxiliary loss is the reason" if aux_loss else ""
         pipeline_reasons = _pipeline_refusals(kinds, aux_loss)
         if self.cp_enabled:
             other = sorted(kinds - {*ATTENTION_LAYER_TYPES, "linear_attention"})
-            sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in policy.named_parameters())
             reasons = {
                 "its linear_attention layers carry a recurrent state along the sequence, which has no "
                 "sequence-parallel scan yet": "linear_attention" in kinds,
-                f"its sliding_attention layers (window {getattr(config, 'sliding_window', None)}) need a band mask "
-                "that the zigzag ring attention does not apply": "sliding_attention" in kinds,
-                "its attention sinks (`self_attn.sinks`) add a logit per head to the softmax, which the zigzag ring "
-                "attention does not": sinks,
                 f"its {other} layers are not attention layers the ring runs": bool(other),
-                "its MoE auxiliary loss (`output_router_logits=True`) is not computed on sharded sequences": aux_loss,
+                f"its MoE auxiliary loss ({AUX_LOSS_OPTIONS}) is not computed on sharded sequences": aux_loss,
             }
             pipeline = "" if any(pipeline_reasons.values()) else " or with `pipeline_parallel_size` > 1"
             _refuse_policy(
                 f"`context_parallel_size`={self.context_parallel_size}",
                 config.model_type,
                 reasons,
-                f"train it with `context_parallel_size=1` (data parallelism){pipeline}.",
+                f"train it with `context_parallel_size=1` (data parallelism){pipeline}{no_aux_loss}.",
             )
         if self.pp_enabled:
             _refuse_policy(
                 f"`pipeline_parallel_size`={self.pipeline_parallel_size}",
                 config.model_type,
                 pipeline_reasons,
-                "train it with `pipeline_parallel_size=1` (data parallelism), or set `output_router_logits=False` in "
-                "the policy's config if the auxiliary loss is the reason.",
+                f"train it with `pipeline_parallel_size=1` (data parallelism){no_aux_loss}.",
             )
 
     def build_context_parallel_group(self) -> dist.ProcessGroup | None:
@@ -170,7 +170,7 @@ def _pipeline_refusals(kinds: set[str], aux_loss: bool) -> dict[str, bool]:
         f"its {other} layers are untested in stage cutting (full and sliding-window attention layers are)": bool(
             other
         ),
-        "the pipelined GRPO loss has no MoE auxiliary loss (`output_router_logits=True`)": aux_loss,
+        f"the pipelined GRPO loss has no MoE auxiliary loss ({AUX_LOSS_OPTIONS})": aux_loss,
     }
 
 

@@ -108,6 +108,35 @@ def zigzag_owner(
     return owner, local
 
 
+def ring_steps(
+    world_size: int, window: int | None, *, cu_seqlens: torch.Tensor | None = None, length: int | None = None
+) -> list[int]:
+    """The ring steps `s` (rank r attending to the keys of rank r - s) at which some rank sees some key, increasing.
+
+    Full causal attention needs all W. With a sliding window of `w`, the first query of a chunk reaches furthest
+    back, `w - 1` positions, so chunk `c` of a document with chunks of `m` sees key chunks `c - j` for
+    `j <= ceil((w - 1) / m)` only, and the document with the shortest chunks decides. A window of 2 to m + 1
+    thus leaves steps 0, 1 and W - 1 whatever W (the ranks of the neighbouring chunks: r - 1 for the early one,
+    r + 1 for the late one), and a window of 1 step 0 alone.
+    """
+    bounds = zigzag_bounds(world_size, cu_seqlens=cu_seqlens, length=length)
+    chunks = torch.diff(bounds) // (2 * world_size)
+    chunks = chunks[chunks > 0]
+    if window is None or not chunks.numel():
+        return list(range(world_size))
+    reach = min(-(-(window - 1) // int(chunks.min())), 2 * world_size - 1)  # chunks back, ceil division
+
+    def owner(chunk: int) -> int:
+        return chunk if chunk < world_size else 2 * world_size - 1 - chunk
+
+    steps = {
+        (owner(chunk) - owner(chunk - back)) % world_size
+        for chunk in range(2 * world_size)
+        for back in range(min(reach, chunk) + 1)
+    }
+    return sorted(steps)
+
+
 def _check_dim(x: torch.Tensor, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"Expected a torch.Tensor, got {type(x).__name__}.")

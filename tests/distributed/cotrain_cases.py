@@ -220,14 +220,17 @@ def run_parallel_and_single(
     return parallel, single
 
 
-def assert_same_tensors(actual: dict, expected: dict, what: str, *, relative_to_max: bool) -> None:
+def assert_same_tensors(
+    actual: dict, expected: dict, what: str, *, relative_to_max: bool, loosen: float = 1.0
+) -> None:
     """The same names on both sides (and at least one), and tensors equal at float32 tolerance: a parallel run's
     partial sums (the ring's blockwise softmax and the shards' sums, the micro-batches') round differently from one
     whole-batch forward on one device (measured under CP: <= 5e-6 of a gradient's largest entry, <= 3e-7 on a
     parameter; under PP on a CPU with AVX-512 kernels, 8e-6 on a draft parameter whose largest entry is 0.084, since
     Adam divides by the root of tiny second moments). `relative_to_max`: the absolute tolerance is 1e-5 of the
     expected tensor's largest entry (for gradients), else 1e-6 or 2e-4 of that entry, whichever is larger; a lost or
-    doubled contribution moves a parameter by about the learning rate (1e-2)."""
+    doubled contribution moves a parameter by about the learning rate (1e-2). `loosen` multiplies both tolerances, for
+    a policy whose gradients move more than that under float32 rounding alone."""
     assert actual, f"{what}: nothing recorded"
     assert actual.keys() == expected.keys(), (
         f"{what}: only in the run: {sorted(actual.keys() - expected.keys())}; "
@@ -235,8 +238,8 @@ def assert_same_tensors(actual: dict, expected: dict, what: str, *, relative_to_
     )
     for name, tensor in expected.items():
         largest = float(tensor.abs().max())
-        atol = 1e-5 * largest if relative_to_max else max(1e-6, 2e-4 * largest)
-        torch.testing.assert_close(actual[name], tensor, rtol=1e-5, atol=atol, msg=f"{what} {name}")
+        atol = (1e-5 * largest if relative_to_max else max(1e-6, 2e-4 * largest)) * loosen
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-5 * loosen, atol=atol, msg=f"{what} {name}")
 
 
 def assert_single_run_learned(parallel: list[dict], single: dict) -> None:

@@ -20,6 +20,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         per_device_train_batch_size=4 if mode == "cp" else 8,
         speculative_decoding=False,
         context_parallel_size=2 if mode == "cp" else 1,
+        router_aux_loss_coef=0.0,  # an MoE policy's (gpt-oss) auxiliary loss, which TRL adds by default, is refused
     )
     return record_training(equality_trainer(FixedRolloutTrainer, policy_dir, config))
 

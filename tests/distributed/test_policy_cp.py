@@ -1,6 +1,7 @@
 """The policy's GRPO forward under context parallelism on gloo: per-token log-probs, entropies and parameter
 gradients of the zigzag-sharded policy (ring attention in its own layers, gradient checkpointing on) against the
-unsharded forward of TRL's fused head, in float64."""
+unsharded forward of TRL's fused head, in float64. Sliding windows and sinks against transformers' own masks and
+gpt-oss's eager attention."""
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def rows_of(prompt_lengths, completion_lengths, prompt_width, completion_width):
     return prompt_ids, prompt_mask, completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
 
 
-def check_policy_parity(size: int, family: str) -> float:
+def check_policy_parity(size: int, family: str, window: int | None) -> float:
     group = subgroup(size)
     rank = dist.get_rank(group)
     model = build_tiny_target(
@@ -40,8 +41,9 @@ def check_policy_parity(size: int, family: str) -> float:
         intermediate_size=96,
         seed=2,
         dtype=torch.float64,
+        sliding_window=window,
     )
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "gpt_oss"):
         model.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
     add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
     model.gradient_checkpointing_enable()  # the recomputation in the backward runs the ring again
@@ -88,9 +90,14 @@ def check_policy_parity(size: int, family: str) -> float:
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])  # MoE layers route each token on its own
-def test_sharded_policy_log_probs_and_gradients_equal_one_device(cp_pool, size, family):
-    scored = cp_pool.run(check_policy_parity, size, family)
+@pytest.mark.parametrize(
+    "family, window",
+    # MoE layers route each token on its own. gpt-oss: sinks, and a window of 3 on every other layer, shorter than
+    # most chunks (ring steps 0, 1 and W - 1 only at W = 4); Mistral: a window of 5 on every layer.
+    [("llama", None), ("qwen3", None), ("qwen3_moe", None), ("gpt_oss", 3), ("mistral", 5)],
+)
+def test_sharded_policy_log_probs_and_gradients_equal_one_device(cp_pool, size, family, window):
+    scored = cp_pool.run(check_policy_parity, size, family, window)
     # every rank scored a part of the 46 completion tokens, and each group scored all of them once
     assert all(count > 0 for count in scored)
     assert [sum(scored[start : start + size]) for start in range(0, 4, size)] == [46.0] * (4 // size)

@@ -1,7 +1,8 @@
 """Context-parallel branch attention (ring and all-gather) on gloo against the dense float64 reference.
 
 Every rank builds the same full inputs from a seed, runs the dense reference on them, and checks that its zigzag
-shard of the output and of every input gradient matches the shard of the reference's.
+shard of the output and of every input gradient matches the shard of the reference's (the sinks' gradient: its sum
+over the group, as for any replicated parameter).
 """
 
 import pytest
@@ -14,11 +15,12 @@ from hf_spec_cotrain.attention.api import CP_MODES
 from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS
 from hf_spec_cotrain.parallel import zigzag_shard
 from hf_spec_cotrain.parallel.comm import RingComm
+from hf_spec_cotrain.parallel.zigzag import ring_steps
 
 
 pytestmark = pytest.mark.distributed
 POOL_WORLD_SIZE = 4
-NAMES = ("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v")
+NAMES = ("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v", "dsinks")
 
 
 def random_case(seed: int, world_size: int) -> dict:
@@ -46,6 +48,8 @@ def random_case(seed: int, world_size: int) -> dict:
         case.update(batch_size=1, doc_lengths=lengths, length=sum(lengths))
     else:
         case.update(batch_size=randint(2, 3), doc_lengths=None, length=multiple * randint(1, 4))
+    # Windows shorter than, as long as and longer than the chunks (of 0 to 5 positions), or none.
+    case.update(window=(None, randint(1, 3), randint(4, 12), randint(13, 40))[randint(0, 3)], sinks=randint(0, 1) == 1)
     return case
 
 
@@ -65,6 +69,7 @@ def make_inputs(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor | None
     }
     if case["num_branch"] == 0 and case["branch_as_none"]:
         inputs.update(branch_k=None, branch_v=None)
+    inputs["sinks"] = randn(case["num_q_heads"]) * 2 if case.get("sinks") else None
     return inputs
 
 
@@ -78,8 +83,8 @@ def outputs_and_grads(fn, inputs: dict, upstream: torch.Tensor, **kwargs) -> lis
     leaves = {name: None if t is None else t.detach().clone().requires_grad_() for name, t in inputs.items()}
     out = fn(**leaves, **kwargs)
     out.backward(upstream.to(out.dtype))
-    grads = [None if leaves[name] is None else leaves[name].grad for name in ("q", "k", "v", "branch_k", "branch_v")]
-    return [out.detach(), *grads]
+    names = [name for name in ("q", "k", "v", "branch_k", "branch_v", "sinks") if name in leaves]
+    return [out.detach(), *(None if leaves[name] is None else leaves[name].grad for name in names)]
 
 
 def context_parallel_attention(group: dist.ProcessGroup, mode: str):
@@ -96,28 +101,26 @@ def check_case(case: dict, dtype: torch.dtype, group: dist.ProcessGroup, mode: s
     inputs = make_inputs(case, dtype)
     upstream = torch.randn(inputs["q"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     exact = {name: None if t is None else t.double() for name, t in inputs.items()}
-    expected = outputs_and_grads(
-        branch_attention_reference, exact, upstream, cu_seqlens=cu_seqlens, scale=case["scale"]
-    )
+    options = dict(cu_seqlens=cu_seqlens, scale=case["scale"], sliding_window=case["window"])
+    expected = outputs_and_grads(branch_attention_reference, exact, upstream, **options)
 
     def shard(tensor, dim=2):
         return None if tensor is None else zigzag_shard(tensor, dim, rank, world_size, cu_seqlens)
 
-    shards = {name: shard(t, 3 if name.startswith("branch") else 2) for name, t in inputs.items()}
+    shards = {name: shard(t, 3 if name.startswith("branch") else 2) for name, t in inputs.items() if name != "sinks"}
+    shards["sinks"] = inputs["sinks"]  # replicated, like the parameter it is
     actual = outputs_and_grads(
-        context_parallel_attention(group, mode),
-        shards,
-        shard(upstream),
-        cu_seqlens=cu_seqlens,
-        scale=case["scale"],
-        block_size=case["block_size"],
+        context_parallel_attention(group, mode), shards, shard(upstream), block_size=case["block_size"], **options
     )
+    if actual[-1] is not None:
+        dist.all_reduce(actual[-1], group=group)
     tolerance = {"rtol": 0, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     for index, (name, got, want) in enumerate(zip(NAMES, actual, expected)):
-        if name.startswith("dbranch") and case["num_branch"] == 0:
-            assert got is None and want is None, name  # an empty branch is not part of the graph
+        if (name.startswith("dbranch") and case["num_branch"] == 0) or (name == "dsinks" and not case["sinks"]):
+            assert got is None and want is None, name  # an empty branch, or no sinks: not part of the graph
             continue
-        want = shard(want, 3 if index >= 4 else 2)
+        if name != "dsinks":
+            want = shard(want, 3 if index >= 4 else 2)
         assert got.dtype == dtype, name
         torch.testing.assert_close(got, want.to(dtype), **tolerance, msg=lambda m, n=name, c=case: f"{n} {c}: {m}")
 
@@ -150,7 +153,8 @@ def check_bfloat16(size: int) -> float:
     group = subgroup(size)
     rank = dist.get_rank(group)
     case = {**random_case(5, size), "num_branch": 2, "doc_lengths": [8, 16, 24], "batch_size": 1, "length": 48}
-    inputs = make_inputs(case, torch.bfloat16)
+    inputs = make_inputs({**case, "sinks": False}, torch.bfloat16)
+    del inputs["sinks"]
     cu_seqlens = cu_seqlens_of(case)
     upstream = torch.randn(inputs["q"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     exact = {name: t.double() for name, t in inputs.items()}
@@ -178,16 +182,18 @@ def test_bfloat16_close_to_float64(cp_pool):
     assert max(errors) < 1e-2, errors
 
 
-def count_block_pairs(mode: str) -> tuple[int, int, int, int]:
-    """Blocks computed by the ring on one document cut into 2W chunks of one block each, and by one device."""
+def count_block_pairs(mode: str, window: int | None) -> tuple[int, int, int, int, int]:
+    """Blocks computed by the ring on one document cut into 2W chunks of one block each, and by one device; and the
+    ring's communication rounds."""
     group = subgroup(POOL_WORLD_SIZE)
     rank, world_size = dist.get_rank(group), POOL_WORLD_SIZE
     chunk = 4
     case = {**random_case(3, world_size), "num_q_heads": 2, "num_kv_heads": 1, "num_branch": 1}
-    case.update(batch_size=1, doc_lengths=None, length=2 * world_size * chunk, branch_as_none=False)
+    case.update(batch_size=1, doc_lengths=None, length=2 * world_size * chunk, branch_as_none=False, sinks=False)
     inputs = make_inputs(case, torch.float64)
-    counts = {"forward": 0, "backward": 0}
-    originals = blockwise.block_forward, blockwise.block_backward
+    del inputs["sinks"]
+    counts = {"forward": 0, "backward": 0, "rounds": 0}
+    originals = blockwise.block_forward, blockwise.block_backward, RingComm.commit
 
     def counting(name, fn):
         def wrapped(*args, **kwargs):
@@ -196,9 +202,10 @@ def count_block_pairs(mode: str) -> tuple[int, int, int, int]:
 
         return wrapped
 
-    blockwise.block_forward, blockwise.block_backward = (
+    blockwise.block_forward, blockwise.block_backward, RingComm.commit = (
         counting("forward", originals[0]),
         counting("backward", originals[1]),
+        counting("rounds", originals[2]),
     )
     try:
         shards = {
@@ -206,27 +213,37 @@ def count_block_pairs(mode: str) -> tuple[int, int, int, int]:
             for name, t in inputs.items()
         }
         upstream = torch.ones_like(shards["q"])
-        outputs_and_grads(context_parallel_attention(group, mode), shards, upstream, block_size=chunk)
-        ring_counts = counts["forward"], counts["backward"]
+        attention = context_parallel_attention(group, mode)
+        outputs_and_grads(attention, shards, upstream, block_size=chunk, sliding_window=window)
+        ring_counts = counts["forward"], counts["backward"], counts["rounds"]
         counts.update(forward=0, backward=0)
-        outputs_and_grads(branch_attention, inputs, torch.ones_like(inputs["q"]), block_size=chunk)
+        outputs_and_grads(
+            branch_attention, inputs, torch.ones_like(inputs["q"]), block_size=chunk, sliding_window=window
+        )
         single_counts = counts["forward"], counts["backward"]
     finally:
-        blockwise.block_forward, blockwise.block_backward = originals
+        blockwise.block_forward, blockwise.block_backward, RingComm.commit = originals
     return (*ring_counts, *single_counts)
 
 
 @pytest.mark.parametrize("mode", CP_MODES)
-def test_invisible_chunks_are_skipped(cp_pool, mode):
-    """Per rank: its 3 local (query chunk, key chunk) pairs, then 2 per other rank (an earlier rank's first chunk is
-    seen by both query chunks, a later rank's chunks only by the late query chunk): 2W + 1, never 4W. Summed over
-    the ranks this is exactly the single-device causal count."""
-    counts = cp_pool.run(count_block_pairs, mode)
-    for forward, backward, _, _ in counts:
-        assert forward == backward == 2 * POOL_WORLD_SIZE + 1
+@pytest.mark.parametrize("window", [None, 3])
+def test_invisible_chunks_are_skipped(cp_pool, mode, window):
+    """Full causal, per rank: its 3 local (query chunk, key chunk) pairs, then 2 per other rank (an earlier rank's
+    first chunk is seen by both query chunks, a later rank's chunks only by the late query chunk): 2W + 1, never 4W.
+    A window shorter than a chunk: each query chunk and the one before it (3 on rank 0, 4 elsewhere), and the ring
+    runs steps 0, 1 and W - 1 only, hopping over the others. Summed over the ranks this is exactly the single-device
+    count."""
+    counts = cp_pool.run(count_block_pairs, mode, window)
     num_blocks = 2 * POOL_WORLD_SIZE
-    single_forward = counts[0][2]
-    assert single_forward == num_blocks * (num_blocks + 1) // 2
+    steps = ring_steps(POOL_WORLD_SIZE, window, length=num_blocks * 4)
+    assert steps == (list(range(POOL_WORLD_SIZE)) if window is None else [0, 1, POOL_WORLD_SIZE - 1])
+    for rank, (forward, backward, rounds, _, _) in enumerate(counts):
+        assert forward == backward == (2 * POOL_WORLD_SIZE + 1 if window is None else 3 + (rank > 0))
+        # forward and backward K/V hops, and the dK/dV's hops home; the all-gather has no rounds
+        assert rounds == (3 * (len(steps) - 1) + 1 if mode == "ring" else 0)
+    single_forward = counts[0][3]
+    assert single_forward == (num_blocks * (num_blocks + 1) // 2 if window is None else 2 * num_blocks - 1)
     assert sum(forward for forward, *_ in counts) == single_forward
 
 
