@@ -23,16 +23,20 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 
 __all__ = ["SUPPORTED_FAMILIES", "build_char_tokenizer", "build_tiny_target", "save_tiny_target"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_next")
 _FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -40,6 +44,8 @@ _FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 _EXPERTS, _EXPERTS_PER_TOKEN = 4, 2
 # What makes each family itself at a tiny size: experts, and gpt-oss's alternating sliding-window layers.
@@ -66,7 +72,16 @@ _FAMILY_OPTIONS = {
         "sliding_window": 16,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     },
+    "qwen3_next": lambda layers, intermediate, positions: {
+        "num_experts": _EXPERTS,
+        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
+        "moe_intermediate_size": intermediate // 2,
+        "shared_expert_intermediate_size": intermediate // 2,
+    },
 }
+# Families whose default layer pattern puts a full-attention layer after every three linear-attention (Gated
+# DeltaNet) layers; their linear heads take the attention heads' sizes.
+_LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")
 # Where each family puts a sliding window of `sliding_window` tokens: every other layer for gpt-oss, every layer for
 # Mistral, and Gemma-style interleaving (a full-attention layer after every sliding one) for Qwen3.
 _SLIDING_WINDOW_OPTIONS = {
@@ -77,7 +92,16 @@ _SLIDING_WINDOW_OPTIONS = {
         "sliding_window": window,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     },
+    "qwen3_next": lambda layers, intermediate, positions: {
+        "num_experts": _EXPERTS,
+        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
+        "moe_intermediate_size": intermediate // 2,
+        "shared_expert_intermediate_size": intermediate // 2,
+    },
 }
+# Families whose default layer pattern puts a full-attention layer after every three linear-attention (Gated
+# DeltaNet) layers; their linear heads take the attention heads' sizes.
+_LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")
 # vLLM's CPU attention kernels refuse smaller heads.
 _MIN_HEAD_DIM = 32
 # Logits with a standard deviation of about 3: peaked enough for a stable greedy argmax and for a
@@ -154,8 +178,10 @@ def build_tiny_target(
 ) -> PreTrainedModel:
     """A random causal LM of `family` (one of `SUPPORTED_FAMILIES`) with seeded, non-degenerate weights.
 
-    MoE families get 4 experts, 2 per token (Qwen3-MoE's of half `intermediate_size`); gpt-oss alternates
-    sliding-window (16 tokens) and full-attention layers, as the real models do. `sliding_window` sets another window
+    MoE families get 4 experts, 2 per token (Qwen3-MoE's and Qwen3-Next's of half `intermediate_size`); gpt-oss
+    alternates sliding-window (16 tokens) and full-attention layers, as the real models do; Qwen3.5 (its text model)
+    and Qwen3-Next put a full-attention layer after every three linear-attention (Gated DeltaNet) layers, whose heads
+    have the attention heads' sizes. `sliding_window` sets another window
     for gpt-oss, and gives one to Mistral (every layer) or Qwen3 (every other layer, Gemma-style); other families
     have none.
 
@@ -191,6 +217,13 @@ def build_tiny_target(
     options = _FAMILY_OPTIONS.get(family, lambda *sizes: {})(num_layers, intermediate_size, max_position_embeddings)
     if sliding_window is not None:
         options.update(_SLIDING_WINDOW_OPTIONS[family](sliding_window, num_layers))
+    if family in _LINEAR_ATTENTION_FAMILIES:
+        options.update(
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_num_key_heads=num_key_value_heads,
+            linear_num_value_heads=num_attention_heads,
+        )
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
