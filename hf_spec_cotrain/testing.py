@@ -48,7 +48,16 @@ _FAMILIES = {
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 _EXPERTS, _EXPERTS_PER_TOKEN = 4, 2
-# What makes each family itself at a tiny size: experts, and gpt-oss's alternating sliding-window layers.
+
+
+def _hybrid_layer_types(layers: int) -> list[str]:
+    """Qwen3.5's and Qwen3-Next's layout: a full-attention layer after every three linear-attention ones, and last
+    (the real models' depths are multiples of 4; transformers needs one full-attention layer)."""
+    return ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)]
+
+
+# What makes each family itself at a tiny size: experts, gpt-oss's alternating sliding-window layers, and the
+# linear-attention layers of Qwen3.5 and Qwen3-Next.
 _FAMILY_OPTIONS = {
     "mistral": lambda layers, intermediate, positions: {"sliding_window": None},
     "qwen3_moe": lambda layers, intermediate, positions: {
@@ -72,15 +81,16 @@ _FAMILY_OPTIONS = {
         "sliding_window": 16,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     },
+    "qwen3_5": lambda layers, intermediate, positions: {"layer_types": _hybrid_layer_types(layers)},
     "qwen3_next": lambda layers, intermediate, positions: {
         "num_experts": _EXPERTS,
         "num_experts_per_tok": _EXPERTS_PER_TOKEN,
         "moe_intermediate_size": intermediate // 2,
         "shared_expert_intermediate_size": intermediate // 2,
+        "layer_types": _hybrid_layer_types(layers),
     },
 }
-# Families whose default layer pattern puts a full-attention layer after every three linear-attention (Gated
-# DeltaNet) layers; their linear heads take the attention heads' sizes.
+# Families with linear-attention (Gated DeltaNet) layers, whose heads get the attention heads' sizes.
 _LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")
 # Where each family puts a sliding window of `sliding_window` tokens: every other layer for gpt-oss, every layer for
 # Mistral, and Gemma-style interleaving (a full-attention layer after every sliding one) for Qwen3.
@@ -92,16 +102,7 @@ _SLIDING_WINDOW_OPTIONS = {
         "sliding_window": window,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     },
-    "qwen3_next": lambda layers, intermediate, positions: {
-        "num_experts": _EXPERTS,
-        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
-        "moe_intermediate_size": intermediate // 2,
-        "shared_expert_intermediate_size": intermediate // 2,
-    },
 }
-# Families whose default layer pattern puts a full-attention layer after every three linear-attention (Gated
-# DeltaNet) layers; their linear heads take the attention heads' sizes.
-_LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")
 # vLLM's CPU attention kernels refuse smaller heads.
 _MIN_HEAD_DIM = 32
 # Logits with a standard deviation of about 3: peaked enough for a stable greedy argmax and for a
@@ -180,10 +181,9 @@ def build_tiny_target(
 
     MoE families get 4 experts, 2 per token (Qwen3-MoE's and Qwen3-Next's of half `intermediate_size`); gpt-oss
     alternates sliding-window (16 tokens) and full-attention layers, as the real models do; Qwen3.5 (its text model)
-    and Qwen3-Next put a full-attention layer after every three linear-attention (Gated DeltaNet) layers, whose heads
-    have the attention heads' sizes. `sliding_window` sets another window
-    for gpt-oss, and gives one to Mistral (every layer) or Qwen3 (every other layer, Gemma-style); other families
-    have none.
+    and Qwen3-Next put a full-attention layer after every three linear-attention (Gated DeltaNet) layers and last, the
+    linear heads of the attention heads' sizes. `sliding_window` sets another window for gpt-oss, and gives one to
+    Mistral (every layer) or Qwen3 (every other layer, Gemma-style); other families have none.
 
     `vocab_size` defaults to the size of `tokenizer` (the character tokenizer when None). Matrices
     are drawn with standard deviation `1/sqrt(fan_in)` (embeddings: 1; lm_head: 3 times that), norm weights around 1 and
