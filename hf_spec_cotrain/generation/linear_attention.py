@@ -4,9 +4,10 @@ A linear-attention layer (Qwen3.5, Qwen3-Next) keeps no per-token cache entries 
 token it reads into a recurrent state and into its causal convolution's window of recent inputs, so a rejected draft
 cannot become a hole. While `LinearAttentionStates` is entered, a cached forward of several tokens (the verification
 of ``[x_n, d_1 .. d_K]``) runs each such layer one token at a time, through the layer's own single-token decoding
-path (`generate`'s arithmetic), and keeps both states after every token. Once each row has accepted ``a`` drafts,
-`LinearAttentionStates.keep` sets its states to those after verified token ``a``: ``x_n, d_1 .. d_a`` are folded in,
-the correction or bonus token, which the next round feeds first, is not. A prefill runs the layer whole, as HF does.
+path (`generate`'s arithmetic; its multi-token kernel returns the final states only), and keeps both states after
+every token. Once each row has accepted ``a`` drafts, `LinearAttentionStates.keep` sets its states to those after
+verified token ``a``: ``x_n, d_1 .. d_a`` are folded in, the correction or bonus token, which the next round feeds
+first, is not. A prefill runs the layer whole, as HF does (padding zeroed by the 2-D mask, as in `generate`).
 
 The snapshots hold ``K + 1`` copies of each linear layer's states for the duration of a round.
 """

@@ -684,10 +684,10 @@ def _validate_arguments(
 
 
 def check_speculative_target(config) -> None:
-    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError): attention
-    layers, full or sliding-window, whose rejected tokens stay in the cache as masked slots, and the Gated DeltaNet
-    linear-attention layers of Qwen3.5 and Qwen3-Next, whose states are rolled back to each row's last accepted token
-    (`linear_attention`). Another family's linear-attention layers may keep their states otherwise."""
+    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError). It verifies
+    attention layers, full or sliding-window, whose rejected tokens stay in the cache as masked slots, and the Gated
+    DeltaNet linear-attention layers of Qwen3.5 and Qwen3-Next, whose states it rolls back to each row's last accepted
+    token (`linear_attention`); another family's linear-attention layers may keep their states elsewhere."""
     text_config = config.get_text_config()
     kinds = set(layer_types(text_config))
     if LINEAR_ATTENTION in kinds and text_config.model_type not in GATED_DELTANET_MODEL_TYPES:
