@@ -23,10 +23,14 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 
@@ -38,7 +42,7 @@ __all__ = [
     "save_tiny_target",
 ]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_next")
 _FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -46,9 +50,20 @@ _FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 _EXPERTS, _EXPERTS_PER_TOKEN = 4, 2
-# What makes each family itself at a tiny size: experts, and gpt-oss's alternating sliding-window layers.
+
+
+def _hybrid_layer_types(layers: int) -> list[str]:
+    """Qwen3.5's and Qwen3-Next's layout: a full-attention layer after every three linear-attention ones, and last
+    (the real models' depths are multiples of 4; transformers needs one full-attention layer)."""
+    return ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)]
+
+
+# What makes each family itself at a tiny size: experts, gpt-oss's alternating sliding-window layers, and the
+# linear-attention layers of Qwen3.5 and Qwen3-Next.
 _FAMILY_OPTIONS = {
     "mistral": lambda layers, intermediate, positions: {"sliding_window": None},
     "qwen3_moe": lambda layers, intermediate, positions: {
@@ -72,7 +87,17 @@ _FAMILY_OPTIONS = {
         "sliding_window": 16,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     },
+    "qwen3_5": lambda layers, intermediate, positions: {"layer_types": _hybrid_layer_types(layers)},
+    "qwen3_next": lambda layers, intermediate, positions: {
+        "num_experts": _EXPERTS,
+        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
+        "moe_intermediate_size": intermediate // 2,
+        "shared_expert_intermediate_size": intermediate // 2,
+        "layer_types": _hybrid_layer_types(layers),
+    },
 }
+# Families with linear-attention (Gated DeltaNet) layers, whose heads get the attention heads' sizes.
+_LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_next")
 # Where each family puts a sliding window of `sliding_window` tokens: every other layer for gpt-oss, every layer for
 # Mistral, and Gemma-style interleaving (a full-attention layer after every sliding one) for Qwen3.
 _SLIDING_WINDOW_OPTIONS = {
@@ -160,10 +185,11 @@ def build_tiny_target(
 ) -> PreTrainedModel:
     """A random causal LM of `family` (one of `SUPPORTED_FAMILIES`) with seeded, non-degenerate weights.
 
-    MoE families get 4 experts, 2 per token (Qwen3-MoE's of half `intermediate_size`); gpt-oss alternates
-    sliding-window (16 tokens) and full-attention layers, as the real models do. `sliding_window` sets another window
-    for gpt-oss, and gives one to Mistral (every layer) or Qwen3 (every other layer, Gemma-style); other families
-    have none.
+    MoE families get 4 experts, 2 per token (Qwen3-MoE's and Qwen3-Next's of half `intermediate_size`); gpt-oss
+    alternates sliding-window (16 tokens) and full-attention layers, as the real models do; Qwen3.5 (its text model)
+    and Qwen3-Next put a full-attention layer after every three linear-attention (Gated DeltaNet) layers and last, the
+    linear heads of the attention heads' sizes. `sliding_window` sets another window for gpt-oss, and gives one to
+    Mistral (every layer) or Qwen3 (every other layer, Gemma-style); other families have none.
 
     `vocab_size` defaults to the size of `tokenizer` (the character tokenizer when None). Matrices
     are drawn with standard deviation `1/sqrt(fan_in)` (embeddings: 1; lm_head: 3 times that), norm weights around 1 and
@@ -197,6 +223,13 @@ def build_tiny_target(
     options = _FAMILY_OPTIONS.get(family, lambda *sizes: {})(num_layers, intermediate_size, max_position_embeddings)
     if sliding_window is not None:
         options.update(_SLIDING_WINDOW_OPTIONS[family](sliding_window, num_layers))
+    if family in _LINEAR_ATTENTION_FAMILIES:
+        options.update(
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_num_key_heads=num_key_value_heads,
+            linear_num_value_heads=num_attention_heads,
+        )
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

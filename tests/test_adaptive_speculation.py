@@ -47,11 +47,12 @@ def _check_round_counters(out, k_max):
 # ---------------------------------------------------------------------------------------------- lossless
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss", "qwen3_5"])
 @pytest.mark.parametrize("ks", [(0, 3, 0, 0, 1, 5, 2), (2, 0), (0,)])
 def test_rounds_of_any_k_keep_greedy_equal_to_generate(family, ks):
     """Plain steps between speculative rounds leave the draft's inputs pending; it must catch up exactly (gpt-oss:
-    plain steps through its sliding windows and sinks too)."""
+    plain steps through its sliding windows and sinks too; Qwen3.5: one-token verifications of its linear-attention
+    layers between rounds that roll their states back)."""
     target, random_draft, trained, input_ids, attention_mask = _setup(family)
     max_new_tokens = 29
     want = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens)
@@ -113,16 +114,21 @@ def test_eos_rows_leave_while_k_changes():
     _check_round_counters(out, 5)
 
 
-@pytest.mark.parametrize("ks, draft_sampling", [((0, 2, 1), "probabilistic"), ((2, 0, 0), "greedy")])
-def test_rounds_of_any_k_keep_the_target_distribution(ks, draft_sampling):
-    _, drafts, _ = _small_vocab_setup()
+@pytest.mark.parametrize(
+    "ks, draft_sampling, family",
+    [((0, 2, 1), "probabilistic", "llama"), ((2, 0, 0), "greedy", "llama"), ((0, 2, 1), "probabilistic", "qwen3_5")],
+)
+def test_rounds_of_any_k_keep_the_target_distribution(ks, draft_sampling, family):
+    setup = (family, None)
+    _, drafts, _ = _small_vocab_setup(*setup)
     samples, out = _sample(
         drafts[True],
         seed=len(ks),
         num_speculative_tokens=ScriptedSpeculation(ks, max_speculative_tokens=2),
         draft_sampling=draft_sampling,
+        target_setup=setup,
     )
-    assert g_test(samples, _exact()) > P_VALUE_THRESHOLD
+    assert g_test(samples, _exact(target_setup=setup)) > P_VALUE_THRESHOLD
     assert 0 < out.num_accepted_tokens < out.num_draft_tokens
     _check_round_counters(out, 2)
 

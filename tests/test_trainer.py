@@ -294,7 +294,8 @@ def test_failed_speculative_rollout_falls_back_to_plain_generation(policy_dir, t
 
 def test_a_policy_the_hf_native_generator_cannot_verify_is_refused_at_start(tmp_path):
     policy = build_tiny_target("qwen3", num_layers=8)
-    policy.config.layer_types = ["linear_attention", "full_attention"] * 4  # as Qwen3.5 / Qwen3-Next declare them
+    # declared as Qwen3.5's, but a family whose linear-attention states the generator does not know
+    policy.config.layer_types = ["linear_attention", "full_attention"] * 4
     with pytest.raises(ValueError, match=r"cannot serve this qwen3 policy: .*linear_attention.*vLLM.*use_vllm=True"):
         _trainer(policy, _config(tmp_path))
     _trainer(policy, _config(tmp_path, speculative_decoding=False))  # co-training alone still works
@@ -310,7 +311,7 @@ def test_a_policy_the_parallel_step_cannot_compute_is_refused_at_start(sizes, tm
         _trainer(policy, _config(tmp_path, speculative_decoding=False, **sizes))
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_next"])
 def test_hf_native_speculative_rollouts_serve_other_families(family, tmp_path):
     trainer = _trainer(build_tiny_target(family, num_layers=8), _config(tmp_path, max_steps=1))
     trainer.train()

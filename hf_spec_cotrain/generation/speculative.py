@@ -24,6 +24,12 @@ Sliding-window layers (gpt-oss, Mistral, interleaved ``layer_types``) get the sa
 real tokens (`causal_slot_mask`'s ``window``), so holes never take a place in it; a target mixing layer types gets
 one mask per type. Their caches keep every slot, as full-attention layers' do: HF's sliding-window cache keeps the
 last ``W - 1`` slots, holes included, which would drop tokens still inside the window.
+
+Linear-attention layers (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next, between their full-attention layers)
+have no slots to mask: their recurrent and convolution states fold in every token they read. A verification runs
+them token by token, keeping their states after each verified token, and each row keeps those after its last
+accepted one (`linear_attention`); finished rows leave them as they leave the caches, and compaction leaves them be.
+Other families' linear-attention layers are refused (`check_speculative_target`).
 """
 
 import time
@@ -41,6 +47,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 
 from ..draft import Eagle3DraftModel
 from ..draft.modeling import causal_slot_mask
@@ -48,6 +55,13 @@ from ..taps import TapRecorder
 from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .adaptive import FixedSpeculation, SpeculationPolicy
 from .decoding_attention import decoding_attention, grouped_attention
+from .linear_attention import (
+    GATED_DELTANET_MODEL_TYPES,
+    LINEAR_ATTENTION,
+    LinearAttentionStates,
+    new_cache,
+    select_rows,
+)
 
 
 __all__ = [
@@ -219,11 +233,17 @@ def speculative_generate(
     target.eval()
     draft.eval()
     try:
-        with torch.no_grad(), TapRecorder(target, aux_layer_ids) as recorder, decoding_attention(target):
+        with (
+            torch.no_grad(),
+            TapRecorder(target, aux_layer_ids) as recorder,
+            decoding_attention(target),
+            LinearAttentionStates(target) as linear_states,
+        ):
             decoder = _SpeculativeDecoder(
                 target,
                 draft,
                 recorder,
+                linear_states,
                 speculation=speculation,
                 warpers=warpers,
                 greedy_drafts=draft_sampling == "greedy",
@@ -246,6 +266,7 @@ class _SpeculativeDecoder:
         target: PreTrainedModel,
         draft: Eagle3DraftModel,
         recorder: TapRecorder,
+        linear_states: LinearAttentionStates,
         *,
         speculation: SpeculationPolicy,
         warpers: LogitsProcessorList | None,
@@ -256,6 +277,7 @@ class _SpeculativeDecoder:
         self.target = target
         self.draft = draft
         self.recorder = recorder
+        self.linear_states = linear_states
         self.speculation = speculation
         self.warpers = warpers
         self.greedy_drafts = greedy_drafts or warpers is None
@@ -263,7 +285,9 @@ class _SpeculativeDecoder:
         self.embedding = target.get_input_embeddings()
         self.draft_ids = draft.draft_to_target_ids.to(self.embedding.weight.device)
         self.eos_ids = eos_ids.to(self.embedding.weight.device)
-        self.layer_windows = _layer_windows(target.config.get_text_config())
+        self.text_config = target.config.get_text_config()
+        self.layer_windows = _layer_windows(self.text_config)
+        self.has_linear_attention = LINEAR_ATTENTION in layer_types(self.text_config)
 
     # ------------------------------------------------------------------ the loop
 
@@ -287,7 +311,7 @@ class _SpeculativeDecoder:
         # (here the prompts) waits in `pending` until a round drafts: rounds of K = 0 never run the draft.
         slot_mask = attention_mask.to(device=device, dtype=torch.bool)
         positions = (slot_mask.long().cumsum(1) - 1).clamp(min=0)
-        self.target_cache, self.target_mask = DynamicCache(), slot_mask
+        self.target_cache, self.target_mask = new_cache(self.text_config), slot_mask
         self.draft_cache, self.draft_mask = DynamicCache(), slot_mask[:, :0]
         logits, taps = self._target_forward(input_ids, positions, logits_to_keep=1)
         num_target_forwards = 1
@@ -355,9 +379,11 @@ class _SpeculativeDecoder:
             emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
             finished = self._emit(row_ids, emitted, num_accepted + 1)
 
-            # 4. Rejected target slots become holes; the verified positions wait for the draft's next catch-up.
+            # 4. Rejected target slots become holes (linear-attention layers keep the states after each row's last
+            # verified token); the verified positions wait for the draft's next catch-up.
             verified = offsets[: k + 1] <= num_accepted[:, None]
             self.target_mask[:, -(k + 1) :] = verified
+            self.linear_states.keep(num_accepted)
             tokens_per_row = float(num_accepted.sum()) / live + 1.0
             pending.append((emitted, taps, verify_positions, verified))
             last_token, next_position = next_token, next_position + num_accepted + 1
@@ -423,11 +449,14 @@ class _SpeculativeDecoder:
 
     def _target_attention_mask(self, length: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """The mask of the last ``length`` slots: one tensor if every layer has the same window, else one per layer
-        type (the mapping transformers' models take in place of building their own masks)."""
+        type (the mapping transformers' models take in place of building their own masks); linear-attention layers
+        get the 2-D padding mask of the new slots, as in `generate`."""
         masks = {
             layer_type: causal_slot_mask(self.target_mask, length, window=window)
             for layer_type, window in self.layer_windows.items()
         }
+        if self.has_linear_attention:
+            masks[LINEAR_ATTENTION] = self.target_mask[:, -length:]
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -514,7 +543,7 @@ class _SpeculativeDecoder:
             return list(row_tensors), pending
         keep = (~finished).nonzero().squeeze(1)
         for cache in (self.target_cache, self.draft_cache):
-            cache.batch_select_indices(keep)
+            select_rows(cache, keep)
         self.target_mask, self.draft_mask = self.target_mask[keep], self.draft_mask[keep]
         return [t[keep] for t in row_tensors], [tuple(t[keep] for t in chunk) for chunk in pending]
 
@@ -525,25 +554,28 @@ class _SpeculativeDecoder:
         return time.perf_counter()
 
     def _compact_caches(self) -> None:
-        self.target_cache, self.target_mask = _compact(self.target_cache, self.target_mask)
-        self.draft_cache, self.draft_mask = _compact(self.draft_cache, self.draft_mask)
+        self.target_mask = _compact(self.target_cache, self.target_mask)
+        self.draft_mask = _compact(self.draft_cache, self.draft_mask)
 
 
-def _compact(cache: DynamicCache, slot_mask: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-    """Drop holes once they outnumber the kept slots of the fullest row: kept slots keep their order, left-padded
-    (every layer keeps all its slots: see the module docstring on sliding windows)."""
+def _compact(cache: DynamicCache, slot_mask: torch.Tensor) -> torch.Tensor:
+    """Drop holes in place once they outnumber the kept slots of the fullest row; return the new slot mask. Kept
+    slots keep their order, left-padded (every attention layer keeps all its slots: see the module docstring on
+    sliding windows); linear-attention layers have no slots."""
     slots = slot_mask.shape[1]
     width = int(slot_mask.sum(1).max())
     if slots - width <= width:
-        return cache, slot_mask
+        return slot_mask
     slot = torch.arange(slots, device=slot_mask.device)
     order = torch.argsort(torch.where(slot_mask, slot + slots, slot), dim=1, stable=True)[:, slots - width :]
 
     def gather(states: torch.Tensor) -> torch.Tensor:
         return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
 
-    layers = [(gather(keys), gather(values)) for keys, values, _ in cache]
-    return DynamicCache(layers), slot_mask.gather(1, order)
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer):
+            layer.keys, layer.values = gather(layer.keys), gather(layer.values)
+    return slot_mask.gather(1, order)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -652,28 +684,30 @@ def _validate_arguments(
 
 
 def check_speculative_target(config) -> None:
-    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError): it verifies
-    attention layers, full or sliding-window, whose rejected tokens stay in the cache as masked slots. A
-    linear-attention (recurrent) layer would already have folded rejected tokens into its state."""
+    """Refuse a target whose layers `speculative_generate` cannot verify exactly (raises ValueError). It verifies
+    attention layers, full or sliding-window, whose rejected tokens stay in the cache as masked slots, and the Gated
+    DeltaNet linear-attention layers of Qwen3.5 and Qwen3-Next, whose states it rolls back to each row's last accepted
+    token (`linear_attention`); another family's linear-attention layers may keep their states elsewhere."""
     text_config = config.get_text_config()
     kinds = set(layer_types(text_config))
-    if "linear_attention" in kinds:
+    if LINEAR_ATTENTION in kinds and text_config.model_type not in GATED_DELTANET_MODEL_TYPES:
         raise ValueError(
-            f"This {text_config.model_type} target has linear_attention layers, which speculative_generate cannot "
-            "verify: their recurrent state would keep the rejected draft tokens, having no cache slots to mask. "
-            "vLLM serves such families with an EAGLE-3 draft on GPU, but this package's vLLM weight sync does not map "
-            "linear-attention tensors yet (and vLLM-CPU does not run them): no speculative rollout path of "
-            "hf_spec_cotrain serves this family yet."
+            f"This {text_config.model_type} target has linear_attention layers, whose recurrent states "
+            "speculative_generate can roll back past rejected draft tokens only for the Gated DeltaNet layers of "
+            f"{', '.join(GATED_DELTANET_MODEL_TYPES)} (Qwen3.5, Qwen3-Next): other layers may keep their states "
+            "elsewhere. No speculative rollout path of hf_spec_cotrain serves this family yet (the vLLM weight sync "
+            "does not map linear-attention tensors, and vLLM-CPU does not run them)."
         )
-    other = sorted(kinds - set(ATTENTION_LAYER_TYPES))
+    other = sorted(kinds - {*ATTENTION_LAYER_TYPES, LINEAR_ATTENTION})
     if other:
         raise ValueError(
             f"This {text_config.model_type} target has {', '.join(other)} layers, and speculative_generate verifies "
-            f"{' and '.join(ATTENTION_LAYER_TYPES)} layers only."
+            f"{', '.join(ATTENTION_LAYER_TYPES)} and ({', '.join(GATED_DELTANET_MODEL_TYPES)}) "
+            f"{LINEAR_ATTENTION} layers only."
         )
 
 
 def _layer_windows(text_config) -> dict[str, int | None]:
-    """The sliding window of each layer type the target has (None: full attention)."""
+    """The sliding window of each attention layer type the target has (None: full attention)."""
     windows = {"full_attention": None, "sliding_attention": getattr(text_config, "sliding_window", None)}
-    return {layer_type: windows[layer_type] for layer_type in dict.fromkeys(layer_types(text_config))}
+    return {kind: windows[kind] for kind in dict.fromkeys(layer_types(text_config)) if kind != LINEAR_ATTENTION}

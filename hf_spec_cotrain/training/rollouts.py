@@ -93,8 +93,9 @@ class SpeculativeRollouts:
 
     def check_can_serve(self, policy: nn.Module) -> None:
         """Refuse at start a policy this rollout path cannot serve, rather than falling back at every step: the
-        HF-native generator verifies full and sliding-window attention layers, not linear-attention ones; the vLLM
-        engine (colocated or a server) must hold a parameter for every policy tensor, of the same shape."""
+        HF-native generator verifies full and sliding-window attention layers and the linear-attention layers of
+        Qwen3.5 and Qwen3-Next (`check_speculative_target`); the vLLM engine (colocated or a server) must hold a
+        parameter for every policy tensor, of the same shape."""
         family = policy.config.get_text_config().model_type
         hf_native_error = None
         try:
