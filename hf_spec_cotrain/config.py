@@ -83,8 +83,9 @@ class SpecCoTrainConfig(GRPOConfig):
             whatever K runs, but with `"auto"` they are not reproducible bit for bit, since K depends on measured
             time. HF-native rollouts adapt per round; vLLM ones run K = `max_speculative_tokens`. A K above
             `ttt_steps` warns: the draft never trained on proposals past step `ttt_steps`.
-        max_speculative_tokens (`int`, *optional*, defaults to `5`):
-            Largest K with `num_speculative_tokens="auto"`.
+        max_speculative_tokens (`int`, *optional*):
+            Largest K with `num_speculative_tokens="auto"`. Defaults to `ttt_steps`: the positions the draft was
+            trained to propose.
         draft_sampling (`str`, *optional*):
             How the draft proposes when rollouts sample: `"probabilistic"` (sample from the draft's distribution,
             standard speculative sampling; the default) or `"greedy"` (propose the draft's argmax).
@@ -197,7 +198,10 @@ class SpecCoTrainConfig(GRPOConfig):
             "0..max_speculative_tokens by an online cost model."
         },
     )
-    max_speculative_tokens: int = field(default=5, metadata={"help": "Largest K with num_speculative_tokens='auto'."})
+    max_speculative_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Largest K with num_speculative_tokens='auto' (default: ttt_steps, the positions trained)."},
+    )
     draft_sampling: str | None = field(
         default=None,
         metadata={"help": "How the draft proposes when sampling: 'probabilistic' (default) or 'greedy'."},
@@ -250,7 +254,10 @@ class SpecCoTrainConfig(GRPOConfig):
             self.num_speculative_tokens = int(self.num_speculative_tokens)  # from the command line
         if self.num_speculative_tokens != "auto":
             check_int(self.num_speculative_tokens, "num_speculative_tokens", hint=" or 'auto'")
-        for name in ("draft_num_layers", "ttt_steps", "max_speculative_tokens", "draft_update_interval"):
+        check_int(self.ttt_steps, "ttt_steps")
+        if self.max_speculative_tokens is None:
+            self.max_speculative_tokens = self.ttt_steps
+        for name in ("draft_num_layers", "max_speculative_tokens", "draft_update_interval"):
             check_int(getattr(self, name), name)
         if self.draft_vocab_size is not None:
             check_int(self.draft_vocab_size, "draft_vocab_size", hint=" (or unset: the whole vocabulary)")

@@ -82,6 +82,12 @@ def test_config_rejects_bad_speculative_rollout_options(tmp_path, options, match
     _rejected(tmp_path, options, match)
 
 
+def test_auto_speculation_proposes_at_most_the_trained_positions_by_default(tmp_path):
+    assert _config(tmp_path, num_speculative_tokens="auto").max_speculative_tokens == 3
+    assert _config(tmp_path, num_speculative_tokens="auto", ttt_steps=6).max_speculative_tokens == 6
+    assert _config(tmp_path, num_speculative_tokens="auto", max_speculative_tokens=2).max_speculative_tokens == 2
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
@@ -89,6 +95,8 @@ def test_config_rejects_bad_speculative_rollout_options(tmp_path, options, match
         ({"num_speculative_tokens": "auto", "max_speculative_tokens": 5}, "`max_speculative_tokens`=5"),
         ({"num_speculative_tokens": 3}, None),
         ({"num_speculative_tokens": "auto", "max_speculative_tokens": 3}, None),
+        ({"num_speculative_tokens": "auto"}, None),  # K_max defaults to ttt_steps
+        ({"num_speculative_tokens": "auto", "ttt_steps": 5}, None),
         ({"num_speculative_tokens": 5, "ttt_steps": 5}, None),
     ],
 )
