@@ -96,6 +96,9 @@ def test_block_mask_kinds():
     assert kernels.block_mask_kind(span(0, 4, 0, 3, 0, 1), span(0, 4, 0, 3, 0, 1), Visibility.PARTIAL) == "explicit"
     assert kernels.block_mask_kind(span(0, 4, 0, 5), span(0, 4, 0, 5), Visibility.PARTIAL) == kernels.EXPLICIT
     assert kernels.block_mask_kind(span(0, 4, 4, 7), span(0, 4, 2, 5), Visibility.PARTIAL) == kernels.EXPLICIT
+    # A sliding window that cuts into a diagonal block (distances up to 3 here) needs the band as an explicit mask.
+    assert kernels.block_mask_kind(diagonal, diagonal, Visibility.PARTIAL, window=4) == kernels.CAUSAL
+    assert kernels.block_mask_kind(diagonal, diagonal, Visibility.PARTIAL, window=3) == kernels.EXPLICIT
 
 
 def _inputs(dtype, *, seed=3, length=70, q_heads=4, kv_heads=2, head_dim=16, branches=2):
@@ -122,21 +125,24 @@ def _output_and_grads(fn, inputs, **kwargs):
     return [out.detach(), *(leaves[name].grad for name in ("q", "k", "v", "branch_k", "branch_v"))]
 
 
+@pytest.mark.parametrize("window", [None, 5, 8])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_forced_fused_kernel_matches_the_dense_reference(monkeypatch, dtype, tolerance):
+def test_forced_fused_kernel_matches_the_dense_reference(monkeypatch, dtype, tolerance, window):
     """Packed documents and GQA with the fused path forced: full blocks (G folded into the queries), causal diagonal
     blocks (K/V repeated per query head) and explicit-mask blocks (blockwise) all run, and the result is the
-    reference's."""
+    reference's; with a sliding window too, shorter than a block (5) or as long (8)."""
     calls = []
     fused = kernels.fused_block_forward
     monkeypatch.setattr(kernels, "fused_block_forward", lambda *a, **kw: calls.append(kw["causal"]) or fused(*a, **kw))
     inputs = _inputs(dtype)
     cu_seqlens = torch.tensor([0, 40, 41, 70])
     with kernels.forced_block_backend(kernels.SDPA_FLASH):
-        actual = _output_and_grads(branch_attention, inputs, cu_seqlens=cu_seqlens, block_size=8)
-    assert True in calls and False in calls
+        actual = _output_and_grads(
+            branch_attention, inputs, cu_seqlens=cu_seqlens, block_size=8, sliding_window=window
+        )
+    assert set(calls) == {True, False}  # full (False) and causal diagonal (True) blocks both took the fused kernel
     exact = {name: tensor.detach().double() for name, tensor in inputs.items()}
-    expected = _output_and_grads(branch_attention_reference, exact, cu_seqlens=cu_seqlens)
+    expected = _output_and_grads(branch_attention_reference, exact, cu_seqlens=cu_seqlens, sliding_window=window)
     for name, got, want in zip(("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v"), actual, expected):
         assert got.dtype == dtype, name
         relative_error = (got.double() - want).norm() / want.norm()
