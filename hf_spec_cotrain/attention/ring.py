@@ -328,8 +328,9 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- wrappers
 
 
-def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, sliding_window, sinks):
-    """Validate zigzag-sharded inputs (`cu_seqlens` global) and build the layout."""
+def _sharded(kernels, q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, sliding_window, sinks):
+    """Validate zigzag-sharded inputs (`cu_seqlens` global), build the layout and run `kernels` (forward, backward)
+    through the autograd function."""
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale, sliding_window=sliding_window, sinks=sinks
     )
@@ -348,7 +349,7 @@ def _prepare(q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_siz
         device=q.device,
         window=sliding_window,
     )
-    return branch_k, branch_v, scale, layout
+    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
 
 
 def ring_branch_attention_func(
@@ -366,7 +367,8 @@ def ring_branch_attention_func(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call."""
-    branch_k, branch_v, scale, layout = _prepare(
+    return _sharded(
+        (ring_branch_attention_forward, ring_branch_attention_backward),
         q,
         k,
         v,
@@ -379,8 +381,6 @@ def ring_branch_attention_func(
         sliding_window=sliding_window,
         sinks=sinks,
     )
-    kernels = (ring_branch_attention_forward, ring_branch_attention_backward)
-    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
 
 
 def allgather_branch_attention_func(
@@ -398,7 +398,8 @@ def allgather_branch_attention_func(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`branch_attention` on zigzag shards with the all-gather-K/V baseline; every rank must call."""
-    branch_k, branch_v, scale, layout = _prepare(
+    return _sharded(
+        (allgather_branch_attention_forward, allgather_branch_attention_backward),
         q,
         k,
         v,
@@ -411,8 +412,6 @@ def allgather_branch_attention_func(
         sliding_window=sliding_window,
         sinks=sinks,
     )
-    kernels = (allgather_branch_attention_forward, allgather_branch_attention_backward)
-    return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
 
 
 CONTEXT_PARALLEL_FUNCS = {"ring": ring_branch_attention_func, "allgather": allgather_branch_attention_func}

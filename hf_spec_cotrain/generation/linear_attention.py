@@ -81,6 +81,8 @@ class LinearAttentionStates:
     def keep(self, num_accepted: torch.Tensor) -> None:
         """Set row ``b``'s states to those after token ``num_accepted[b]`` of the last cached forward (0: its
         first); the states of a single-token forward are already those."""
+        if not self.snapshots:  # no linear-attention layer, or a single-token forward: nothing to roll back
+            return
         rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
         for layer, conv, recurrent in self.snapshots:
             layer.conv_states[0].copy_(conv[num_accepted, rows])
