@@ -33,8 +33,10 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -513,26 +515,36 @@ def main(argv: list[str] | None = None) -> dict:
             trainer, probe_prompts, config.max_draft_tokens, script.probe_interval, reward_func=embedded_reward
         )
         trainer.add_callback(probe)
-    spec_seconds = timed_train(trainer) - (probe.seconds if probe else 0.0)
-    runs = {"spec": (trainer.state.log_history, spec_seconds)}
-    close_engine(trainer)
-
+    baseline = None
     if script.baseline:
         baseline_config = copy.deepcopy(config)
         baseline_config.output_dir = str(output_dir / "baseline")
         # With vLLM the baseline is the same engine without a draft; TRL must not build an engine of its own.
         baseline_class = VLLMBaselineGRPOTrainer if config.use_vllm else TimedGRPOTrainer
         baseline_config.use_vllm = False
-        baseline = baseline_class(
+        make_baseline = partial(
+            baseline_class,
             model=model,
             reward_funcs=reward_funcs,
             args=baseline_config,
             train_dataset=dataset,
             processing_class=tokenizer,
         )
-        plain_seconds = timed_train(baseline)
-        runs["plain"] = (baseline.state.log_history, plain_seconds)
-        close_engine(baseline)
+    if script.baseline and not config.use_vllm:
+        # Step by step, in turns: each speculative step runs next to a plain one, so a machine whose speed drifts
+        # during the run slows both alike and the ratio stays honest.
+        baseline = make_baseline()
+        seconds = train_in_turns({"spec": trainer, "plain": baseline})
+    else:  # one after the other: two vLLM engines must not share the machine
+        seconds = {"spec": timed_train(trainer)}
+        close_engine(trainer)
+        if script.baseline:
+            baseline = make_baseline()
+            seconds["plain"] = timed_train(baseline)
+            close_engine(baseline)
+    runs = {"spec": (trainer.state.log_history, seconds["spec"] - (probe.seconds if probe else 0.0))}
+    if baseline is not None:
+        runs["plain"] = (baseline.state.log_history, seconds["plain"])
 
     summary = report(
         runs,
@@ -553,6 +565,81 @@ def timed_train(trainer) -> float:
     started = time.perf_counter()
     trainer.train()
     return time.perf_counter() - started
+
+
+class Turns:
+    """A baton that trainers running in threads of one process pass to each other at the end of every step.
+
+    Only the holder runs, and ``seconds[name]`` adds up the time each held it: its wall time, waiting excluded. A
+    trainer that finishes (or fails) leaves the others to take turns without it.
+    """
+
+    def __init__(self, names: list[str]):
+        self.names = list(names)
+        self.seconds = dict.fromkeys(self.names, 0.0)
+        self._holder, self._finished = self.names[0], set()
+        self._since = time.perf_counter()
+        self._condition = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self._condition:
+            self._condition.wait_for(lambda: self._holder == name)
+
+    def pass_on(self, name: str, *, finished: bool = False) -> None:
+        with self._condition:
+            now = time.perf_counter()
+            self.seconds[name] += now - self._since
+            self._since = now
+            if finished:
+                self._finished.add(name)
+            waiting = [n for n in self.names if n not in self._finished]
+            if waiting:
+                after = self.names.index(name)
+                self._holder = min(waiting, key=lambda n: (self.names.index(n) - after - 1) % len(self.names))
+            self._condition.notify_all()
+
+    def take_turns(self, name: str) -> "TurnCallback":
+        return TurnCallback(self, name)
+
+
+class TurnCallback(TrainerCallback):
+    """Hands the baton on after each optimizer step and waits for it to come back."""
+
+    def __init__(self, turns: Turns, name: str):
+        self.turns, self.name = turns, name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.turns.pass_on(self.name)
+        self.turns.wait(self.name)
+
+
+def train_in_turns(trainers: dict) -> dict[str, float]:
+    """Train every trainer in its own thread, one optimizer step each in turn; the seconds each spent running.
+
+    Threads, not processes: the trainers share the process's cores and memory exactly as one run alone has them.
+    """
+    turns = Turns(list(trainers))
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str, trainer) -> None:
+        turns.wait(name)
+        try:
+            trainer.train()
+        except BaseException as error:  # re-raised below, once the other trainers are done
+            errors[name] = error
+        finally:
+            turns.pass_on(name, finished=True)
+
+    for name, trainer in trainers.items():
+        trainer.add_callback(turns.take_turns(name))
+    threads = [threading.Thread(target=run, args=item, name=f"train-{item[0]}") for item in trainers.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors.values():
+        raise error
+    return turns.seconds
 
 
 def close_engine(trainer) -> None:

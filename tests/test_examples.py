@@ -51,6 +51,40 @@ def test_permutation_test_tells_equal_laws_from_shifted_ones(grpo_spec):
     assert grpo_spec.permutation_p_value([a[20:], c], [[x + 0.3 for x in b[20:]], d], stratified=True) < 0.05
 
 
+class _FakeTrainer:
+    """Steps that append their name to a shared log, with the Trainer's callback interface."""
+
+    def __init__(self, name: str, steps: int, log: list, fail_at: int | None = None):
+        self.name, self.steps, self.log, self.fail_at, self.callbacks = name, steps, log, fail_at, []
+
+    def add_callback(self, callback):
+        self.callbacks.append(callback)
+
+    def train(self):
+        for step in range(self.steps):
+            if step == self.fail_at:
+                raise RuntimeError(f"{self.name} failed")
+            self.log.append(self.name)
+            for callback in self.callbacks:
+                callback.on_step_end(None, None, None)
+
+
+def test_runs_take_one_step_each_in_turn_and_the_longer_run_finishes_alone(grpo_spec):
+    log = []
+    seconds = grpo_spec.train_in_turns({"spec": _FakeTrainer("spec", 3, log), "plain": _FakeTrainer("plain", 5, log)})
+    assert log == ["spec", "plain", "spec", "plain", "spec", "plain", "plain", "plain"]
+    assert set(seconds) == {"spec", "plain"} and all(value >= 0 for value in seconds.values())
+
+
+def test_a_failing_run_lets_the_other_finish_then_raises(grpo_spec):
+    log = []
+    with pytest.raises(RuntimeError, match="plain failed"):
+        grpo_spec.train_in_turns(
+            {"spec": _FakeTrainer("spec", 3, log), "plain": _FakeTrainer("plain", 3, log, fail_at=1)}
+        )
+    assert log == ["spec", "plain", "spec", "spec"]
+
+
 def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
     result = grpo_spec.main(
         [
