@@ -150,7 +150,7 @@ class PipelinedTarget:
         """Serve the driver's commands until it finishes the turn (every stage but the last calls it)."""
         if self.is_driver:
             raise RuntimeError("The last stage drives the generation; the other stages serve it.")
-        training = self.model.training
+        modes = {module: module.training for module in self.model.modules()}
         self.model.eval()
         try:
             with torch.no_grad(), decoding_attention(self.model):
@@ -158,7 +158,8 @@ class PipelinedTarget:
                     pass
         finally:
             self.cache = None
-            self.model.train(training)
+            for module, training in modes.items():
+                module.training = training
 
     def _serve_one(self) -> bool:
         header = torch.empty(HEADER_LENGTH, dtype=torch.long, device=self.device)
