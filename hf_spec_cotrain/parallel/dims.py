@@ -258,5 +258,5 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
     if tools:
         raise ValueError(
             "`pipeline_parallel_size` > 1 does not support tool calls: every stage must take part in each "
-            "rollout turn that rank 0 generates."
+            "rollout turn that the last stage generates."
         )
