@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_model
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -294,6 +295,13 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         off or cannot serve the request (another engine, continuous batching, images)."""
 
         def plain():
+            if isinstance(self.parallel_step, PipelineParallelStep):  # no rank holds the whole policy to `generate`
+                return self.rollouts.pipelined_plain(
+                    prompt_ids,
+                    step=self.state.global_step,
+                    training=self.model.training,
+                    policy=self._policy_for_generation,
+                )
             return super(SpecCoTrainGRPOTrainer, self)._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -345,14 +353,15 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if not isinstance(self.parallel_step, PipelineParallelStep):
             super().save_model(output_dir, _internal_call)
         else:
-            # Every rank streams its stage; rank 0 saves the full policy (and its draft is now the last stage's).
-            self.parallel_step.sync_rollout_weights()
-            if self.args.should_save:
-                stage, self.model = self.model, self.parallel_step.rollout_policy
-                try:
-                    super().save_model(output_dir, _internal_call)
-                finally:
-                    self.model = stage
+            # Every rank streams its stage to rank 0, which writes the policy shard by shard; the draft reaches it too.
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            self.parallel_step.save_policy(output_dir)
+            self.parallel_step.sync_draft()
+            if self.args.should_save:  # what `Trainer._save` writes besides the model
+                self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         if self._saving_checkpoint and self.args.save_draft and self.args.should_save:
             self._save_draft_checkpoint(Path(output_dir))
 
@@ -435,7 +444,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             check_resumable(checkpoint, draft=self.args.save_draft)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         if pipeline and self.args.save_draft:
-            self.parallel_step.sync_rollout_weights()  # the last stage's draft reaches rank 0, which saves it
+            self.parallel_step.sync_draft()  # the last stage's draft reaches rank 0, which saves it
         if self.args.save_draft and self.args.should_save:
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
             if self.args.push_draft_to_hub:

@@ -161,6 +161,10 @@ PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_ge
         ({"draft_bf16": True}, "'draft_bf16=True'"),
         ({"steps_per_generation": 2}, "gradient_accumulation_steps not a multiple"),
         ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'"),
+        # Plain rollouts too are the package's own decoding through the stages.
+        ({"speculative_decoding": False, "repetition_penalty": 1.1}, "'repetition_penalty=1.1'"),
+        ({"speculative_decoding": False, "min_p": 0.1}, "'min_p=0.1'"),
+        ({"use_transformers_continuous_batching": True}, "'use_transformers_continuous_batching'"),
     ],
 )
 def test_config_rejects_pipeline_options_it_cannot_honour(options, named):

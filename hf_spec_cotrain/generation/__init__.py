@@ -1,4 +1,5 @@
-"""Rollout generation: the HF-native speculative generator, the colocated vLLM engine and the vLLM server client.
+"""Rollout generation: the HF-native speculative generator (on one process, or through pipeline stages), the
+colocated vLLM engine and the vLLM server client.
 
 Names are imported lazily: the vLLM engine module imports vLLM only when an engine is built, and the client
 never imports vLLM.
@@ -12,6 +13,7 @@ from .._lazy import lazy_exports
 _MODULE_OF = {
     "AdaptiveSpeculation": "adaptive",
     "FixedSpeculation": "adaptive",
+    "PlainDecoding": "adaptive",
     "SpeculationPolicy": "adaptive",
     "DRAFT_SAMPLING_METHODS": "speculative",
     "SpeculativeOutput": "speculative",
@@ -24,6 +26,7 @@ _MODULE_OF = {
     "RolloutEngine": "engine",
     "RolloutOutput": "engine",
     "SpecDecodeStats": "engine",
+    "PipelinedTarget": "pipelined",
     "SyncStats": "engine",
     "WeightSyncError": "engine",
     "VLLM_INSTALL_HINT": "vllm_engine",
@@ -38,6 +41,8 @@ __all__ = [
     "EngineRestartedError",
     "EngineUnavailableError",
     "FixedSpeculation",
+    "PipelinedTarget",
+    "PlainDecoding",
     "SpeculationPolicy",
     "VLLM_INSTALL_HINT",
     "RolloutEngine",
@@ -56,7 +61,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
+    from .adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
     from .client import VLLMServerClient, VLLMServerError
     from .engine import (
         EngineRestartedError,
@@ -67,6 +72,7 @@ if TYPE_CHECKING:
         SyncStats,
         WeightSyncError,
     )
+    from .pipelined import PipelinedTarget
     from .speculative import (
         DRAFT_SAMPLING_METHODS,
         SpeculativeOutput,

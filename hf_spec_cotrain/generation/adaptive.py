@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 from ..validation import check_int
 
 
-__all__ = ["AdaptiveSpeculation", "FixedSpeculation", "SpeculationPolicy", "batch_bucket"]
+__all__ = ["AdaptiveSpeculation", "FixedSpeculation", "PlainDecoding", "SpeculationPolicy", "batch_bucket"]
 
 
 @runtime_checkable
@@ -69,6 +69,23 @@ class FixedSpeculation:
 
     def choose(self, batch_size: int) -> int:
         return self.max_speculative_tokens
+
+    def observe_round(self, batch_size, k, *, seconds, draft_seconds, tokens_per_row) -> None:
+        pass
+
+    def observe_acceptance(self, reached, accepted) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PlainDecoding:
+    """K = 0 every round: the speculative generator decodes one token per forward and never runs the draft (plain
+    decoding where `generate` cannot run the target whole: a pipeline's last stage)."""
+
+    max_speculative_tokens: int = 1  # the protocol's bound; never chosen
+
+    def choose(self, batch_size: int) -> int:
+        return 0
 
     def observe_round(self, batch_size, k, *, seconds, draft_seconds, tokens_per_row) -> None:
         pass

@@ -35,6 +35,7 @@ Other families' linear-attention layers are refused (`check_speculative_target`)
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,10 @@ from .linear_attention import (
     new_cache,
     select_rows,
 )
+
+
+if TYPE_CHECKING:
+    from .pipelined import PipelinedTarget
 
 
 __all__ = [
@@ -187,6 +192,7 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    pipeline: "PipelinedTarget | None" = None,
 ) -> SpeculativeOutput:
     r"""
     Generate from ``target`` with ``draft`` proposing ``num_speculative_tokens`` tokens per target forward.
@@ -210,6 +216,9 @@ def speculative_generate(
             ``min(1, p/q)``; ``"greedy"`` proposes the draft's argmax (vLLM's default), accepted with ``p(token)``.
         eos_token_id / pad_token_id: default to the target's ``generation_config`` (pad falls back to EOS).
         generator: random source for sampling (on the models' device).
+        pipeline: the target's pipeline stages (`hf_spec_cotrain.generation.pipelined.PipelinedTarget`), when
+            ``target`` is the last stage of a pipeline cut: every target forward then runs through the stages, each
+            with a cache of its own layers, while the other stages serve (`PipelinedTarget.serve`).
     """
     speculation = _speculation_policy(num_speculative_tokens)
     draft_sampling = _validate_arguments(
@@ -239,7 +248,7 @@ def speculative_generate(
             decoding_attention(target),
             LinearAttentionStates(target) as linear_states,
         ):
-            decoder = _SpeculativeDecoder(
+            decoder = (_SpeculativeDecoder if pipeline is None else pipeline.decoder)(
                 target,
                 draft,
                 recorder,
@@ -283,8 +292,9 @@ class _SpeculativeDecoder:
         self.greedy_drafts = greedy_drafts or warpers is None
         self.generator = generator
         self.embedding = target.get_input_embeddings()
-        self.draft_ids = draft.draft_to_target_ids.to(self.embedding.weight.device)
-        self.eos_ids = eos_ids.to(self.embedding.weight.device)
+        self.device = self._input_device()
+        self.draft_ids = draft.draft_to_target_ids.to(self.device)
+        self.eos_ids = eos_ids.to(self.device)
         self.text_config = target.config.get_text_config()
         self.layer_windows = _layer_windows(self.text_config)
         self.has_linear_attention = LINEAR_ATTENTION in layer_types(self.text_config)
@@ -294,7 +304,7 @@ class _SpeculativeDecoder:
     def generate(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, *, max_new_tokens: int, pad_token_id: int
     ) -> SpeculativeOutput:
-        device = self.embedding.weight.device
+        device = self.device
         input_ids = input_ids.to(device)
         batch = input_ids.shape[0]
         k_max = self.speculation.max_speculative_tokens
@@ -448,16 +458,9 @@ class _SpeculativeDecoder:
         return logits, self.recorder.pop().aux_hidden_states
 
     def _target_attention_mask(self, length: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The mask of the last ``length`` slots: one tensor if every layer has the same window, else one per layer
-        type (the mapping transformers' models take in place of building their own masks); linear-attention layers
-        get the 2-D padding mask of the new slots, as in `generate`."""
-        masks = {
-            layer_type: causal_slot_mask(self.target_mask, length, window=window)
-            for layer_type, window in self.layer_windows.items()
-        }
-        if self.has_linear_attention:
-            masks[LINEAR_ATTENTION] = self.target_mask[:, -length:]
-        return next(iter(masks.values())) if len(masks) == 1 else masks
+        return target_attention_mask(
+            self.target_mask, length, self.layer_windows, linear_attention=self.has_linear_attention
+        )
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped probabilities over ``[..., V]``, computed in at least float32."""
@@ -469,6 +472,10 @@ class _SpeculativeDecoder:
         if self.warpers is None:
             return logits.argmax(-1)
         return torch.multinomial(self._probs(logits), 1, generator=self.generator).squeeze(1)
+
+    def _input_device(self) -> torch.device:
+        """Where the target takes token ids (and the loop keeps its bookkeeping)."""
+        return self.embedding.weight.device
 
     # ------------------------------------------------------------------ draft
 
@@ -549,8 +556,8 @@ class _SpeculativeDecoder:
 
     def _clock(self) -> float:
         """Wall time once the device has finished what was queued (the cost model times rounds)."""
-        if self.embedding.weight.device.type == "cuda":
-            torch.cuda.synchronize(self.embedding.weight.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     def _compact_caches(self) -> None:
@@ -558,10 +565,25 @@ class _SpeculativeDecoder:
         self.draft_mask = _compact(self.draft_cache, self.draft_mask)
 
 
+def target_attention_mask(
+    slot_mask: torch.Tensor, length: int, layer_windows: dict[str, int | None], *, linear_attention: bool = False
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The target's mask of the last ``length`` of ``slot_mask``'s slots: one tensor if every layer has the same
+    window, else one per layer type (the mapping transformers' models take in place of building their own masks);
+    linear-attention layers get the 2-D padding mask of the new slots, as in `generate`."""
+    masks = {
+        layer_type: causal_slot_mask(slot_mask, length, window=window) for layer_type, window in layer_windows.items()
+    }
+    if linear_attention:
+        masks[LINEAR_ATTENTION] = slot_mask[:, -length:]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
 def _compact(cache: DynamicCache, slot_mask: torch.Tensor) -> torch.Tensor:
     """Drop holes in place once they outnumber the kept slots of the fullest row; return the new slot mask. Kept
     slots keep their order, left-padded (every attention layer keeps all its slots: see the module docstring on
-    sliding windows); linear-attention layers have no slots."""
+    sliding windows); linear-attention layers have no slots, and a pipeline stage's cache has no entries for other
+    stages' layers."""
     slots = slot_mask.shape[1]
     width = int(slot_mask.sum(1).max())
     if slots - width <= width:
@@ -573,7 +595,7 @@ def _compact(cache: DynamicCache, slot_mask: torch.Tensor) -> torch.Tensor:
         return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
 
     for layer in cache.layers:
-        if isinstance(layer, DynamicLayer):
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
             layer.keys, layer.values = gather(layer.keys), gather(layer.values)
     return slot_mask.gather(1, order)
 

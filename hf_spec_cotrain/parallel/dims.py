@@ -238,12 +238,16 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
             config.gradient_accumulation_steps % generate_every != 0
         ),
         f"eval_strategy={eval_strategy!r}": eval_strategy != "no",
+        # Rollouts, plain ones too, are the package's own decoding through the stages: temperature, top_p, top_k.
+        f"repetition_penalty={config.repetition_penalty}": config.repetition_penalty not in (None, 1.0),
+        f"min_p={config.min_p}": config.min_p not in (None, 0.0),
+        "use_transformers_continuous_batching": config.use_transformers_continuous_batching,
     }
     _refuse(
         f"`pipeline_parallel_size`={size}",
         incompatible,
         f"the pipelined step computes TRL's GRPO loss (loss_type one of {', '.join(GRPO_LOSS_TYPES)}, beta=0, "
-        "token-level ratios) on plain processes, with HF-native rollouts on rank 0. Change them or set "
+        "token-level ratios) on plain processes, with HF-native rollouts through the stages. Change them or set "
         "`pipeline_parallel_size=1`.",
     )
     if peft:
@@ -254,5 +258,5 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
     if tools:
         raise ValueError(
             "`pipeline_parallel_size` > 1 does not support tool calls: every stage must take part in each "
-            "rollout turn that rank 0 generates."
+            "rollout turn that the last stage generates."
         )

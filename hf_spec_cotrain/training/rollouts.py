@@ -21,8 +21,9 @@ from transformers.utils import logging
 from trl.trainer.utils import pad
 
 from ..draft import Eagle3DraftModel
-from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, SpeculationPolicy
+from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
 from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
+from ..generation.pipelined import PipelinedTarget
 from ..generation.speculative import SpeculativeOutput, check_speculative_target, speculative_generate
 from .draft_cotraining import seeded_generator
 from .timing import StepTimes
@@ -80,6 +81,8 @@ class SpeculativeRollouts:
         self.metrics, self.policy, self.engine = metrics, policy, engine
         self.acceptance_history: list[tuple[int, float]] = []
         self.generates_for_all_ranks = generates_for_all_ranks
+        # Under pipeline parallelism, the policy's stages (`PipelinedTarget`): HF-native turns run through them.
+        self.pipeline: PipelinedTarget | None = None
         self._engine_synced_step = -1
         self._engine_calls = 0
         self._fallbacks_in_a_row = 0
@@ -183,6 +186,40 @@ class SpeculativeRollouts:
         policy: Callable[[], AbstractContextManager[nn.Module]],
     ) -> tuple[list[list[int]], None]:
         """`speculative_generate` on the policy the trainer holds (``policy()`` unwraps it for generation)."""
+        completions, out, elapsed = self._hf_native_generate(
+            prompt_ids, step=step, training=training, policy=policy, speculation=self.speculation
+        )
+        num_tokens = sum(map(len, completions))
+        if isinstance(self.speculation, AdaptiveSpeculation):
+            self.speculation.observe_call(len(prompt_ids), plain=False, seconds=elapsed, num_tokens=num_tokens)
+        self._log_metrics(out, num_tokens, elapsed, step=step, training=training)
+        return completions, None
+
+    def pipelined_plain(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        step: int,
+        training: bool,
+        policy: Callable[[], AbstractContextManager[nn.Module]],
+    ) -> tuple[list[list[int]], None]:
+        """Plain decoding through the pipeline's stages (K = 0: the draft never runs), where no rank holds the whole
+        policy that TRL's own generation would need."""
+        completions, _, _ = self._hf_native_generate(
+            prompt_ids, step=step, training=training, policy=policy, speculation=PlainDecoding()
+        )
+        return completions, None
+
+    def _hf_native_generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        step: int,
+        training: bool,
+        policy: Callable[[], AbstractContextManager[nn.Module]],
+        speculation: SpeculationPolicy,
+    ) -> tuple[list[list[int]], SpeculativeOutput, float]:
+        """The completions (up to and including the first EOS), the generator's output and the seconds it took."""
         sampling, device = self.sampling, self.accelerator.device
 
         def left_padded(rows: list[torch.Tensor], value: int) -> torch.Tensor:
@@ -204,7 +241,7 @@ class SpeculativeRollouts:
                 padded_ids,
                 attention_mask,
                 max_new_tokens=sampling.max_tokens,
-                num_speculative_tokens=self.speculation,
+                num_speculative_tokens=speculation,
                 do_sample=True,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
@@ -213,6 +250,7 @@ class SpeculativeRollouts:
                 eos_token_id=sampling.eos_token_ids,
                 pad_token_id=sampling.pad_token_id,
                 generator=generator,
+                pipeline=self.pipeline,
             )
         elapsed = time.perf_counter() - started
         completion_ids = out.sequences[:, padded_ids.shape[1] :]
@@ -220,11 +258,7 @@ class SpeculativeRollouts:
         # Keep tokens up to and including the first EOS, as TRL does after generate(); only padding follows it.
         keep = (is_eos.cumsum(1) - is_eos.int()) == 0
         completions = [row[mask].tolist() for row, mask in zip(completion_ids.cpu(), keep.cpu())]
-        num_tokens = sum(map(len, completions))
-        if isinstance(self.speculation, AdaptiveSpeculation):
-            self.speculation.observe_call(len(prompt_ids), plain=False, seconds=elapsed, num_tokens=num_tokens)
-        self._log_metrics(out, num_tokens, elapsed, step=step, training=training)
-        return completions, None
+        return completions, out, elapsed
 
     # ------------------------------------------------------------------ vLLM
 

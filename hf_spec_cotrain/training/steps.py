@@ -6,7 +6,6 @@ draft. `TrainingStepStrategy` holds what both keep of TRL's step (train mode, in
 ``step_time``), so neither re-implements it.
 """
 
-import copy
 import time
 from contextlib import nullcontext
 
@@ -15,10 +14,12 @@ import torch.distributed as dist
 from trl.trainer.utils import pad
 
 from ..attention.hf_adapter import zigzag_ring_attention
+from ..generation.pipelined import PipelinedTarget
 from ..parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
 from ..parallel.pipeline import stream_pipeline_weights
 from .draft_cotraining import RecordedTaps
 from .pipeline_step import GRPOBatch, PipelineCoTrainStep, grpo_loss_normalizer
+from .saving import MAX_SHARD_SIZE, write_streamed_safetensors
 
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
@@ -143,12 +144,13 @@ class ContextParallelStep(TrainingStepStrategy):
 
 
 class PipelineParallelStep(TrainingStepStrategy):
-    """All ranks' rows as one batch through the pipeline; rank 0 generates every rollout.
+    """All ranks' rows as one batch through the pipeline; the last stage generates every rollout through it.
 
     Every rank loaded the full policy; `PipelineCoTrainStep` cuts it in place, so the optimizer (built later by the
-    Trainer) holds this stage's parameters only. Rank 0 first keeps a full copy for rollouts: generation needs the
-    whole model, and the stages' weights are streamed into it before each generation (`sync_rollout_weights`). The
-    draft trains on the last stage; rank 0's draft is its rollout copy.
+    Trainer) holds this stage's parameters only. No rank holds the whole policy after that: the last stage, which
+    holds the draft, drives every rank's rollouts while the other stages serve its forwards (`PipelinedTarget`), and
+    saving streams the stages to rank 0, which writes them shard by shard (`save_policy`). The draft trains on the
+    last stage; rank 0's draft receives it only to be saved (`sync_draft`).
 
     In each step the ranks exchange their micro-batches and every stage runs the same batch, the concatenation in rank
     order, through `PipelineCoTrainStep.step`: the GRPO loss with TRL's whole-batch normaliser at the last stage, and
@@ -163,12 +165,6 @@ class PipelineParallelStep(TrainingStepStrategy):
         args, accelerator = trainer.args, trainer.accelerator
         policy = trainer._policy()
         self.last_rank = accelerator.num_processes - 1
-        self.rollout_policy = None  # rank 0's full copy of the policy
-        if accelerator.process_index == 0:
-            self.rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-            # TRL patches `forward` per instance with a closure over the original's: the copy runs its own.
-            self.rollout_policy.__dict__.pop("forward", None)
-            trainer.draft.bind_target(self.rollout_policy)
         self.stage = PipelineCoTrainStep(
             policy,
             draft=trainer.draft if accelerator.process_index == self.last_rank else None,
@@ -185,10 +181,20 @@ class PipelineParallelStep(TrainingStepStrategy):
             ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
             device=accelerator.device,
         )
+        # The draft reads token embeddings from its target: this stage's (none but on the first), not the uncut
+        # policy's, whose other modules the cut released.
+        trainer.draft.bind_target(policy)
+        self.generation = PipelinedTarget(
+            policy,
+            layer_ranges=self.stage.layer_ranges,
+            aux_layer_ids=trainer.aux_layer_ids,
+            group=self.stage.group,
+            device=accelerator.device,
+        )
+        trainer.rollouts.pipeline = self.generation
         # The stages hold different parameters: accelerate must not wrap this one in DDP (it would also try to
         # average gradients across stages).
         policy._is_accelerate_prepared = True
-        self._rollout_synced_step = -1
 
     def run(self, model, inputs, num_items_in_batch):
         trainer = self.trainer
@@ -236,52 +242,93 @@ class PipelineParallelStep(TrainingStepStrategy):
             tool_mask=optional("tool_mask", 0),
         )
 
-    def sync_rollout_weights(self) -> None:
-        """Stream every stage's weights into rank 0's full policy, and the last stage's draft into rank 0's draft
-        (every rank calls it)."""
-        is_last = self.trainer.accelerator.process_index == self.last_rank
-        draft = self.trainer.draft
-        policy_weights = stream_pipeline_weights(self.stage.state_dict(), dst=0)
-        draft_weights = stream_pipeline_weights(draft.state_dict() if is_last else {}, dst=0)
-        if self.rollout_policy is None:  # not rank 0: send only
-            for _ in (*policy_weights, *draft_weights):
+    def sync_draft(self) -> None:
+        """Stream the last stage's draft into rank 0's, which saves it (every rank calls it)."""
+        weights = stream_pipeline_weights(self.trainer.draft.state_dict() if self.generation.is_driver else {}, dst=0)
+        if self.trainer.accelerator.process_index != 0:
+            for _ in weights:  # the last stage sends; the others have nothing to do
                 pass
             return
-        for model, weights in ((self.rollout_policy, policy_weights), (draft, draft_weights)):
-            target = model.state_dict()
-            received = set()
-            with torch.no_grad():
-                for name, tensor in weights:
-                    target[name].copy_(tensor)
-                    received.add(name)
-            if received != set(target):
-                raise RuntimeError(f"The stages sent no weights for {sorted(set(target) - received)}.")
+        target = self.trainer.draft.state_dict()
+        received = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                target[name].copy_(tensor)
+                received.add(name)
+        if received != set(target):
+            raise RuntimeError(f"The last stage sent no draft weights for {sorted(set(target) - received)}.")
+
+    def save_policy(self, folder: str) -> None:
+        """Write the whole policy to `folder` from rank 0 as `save_pretrained` lays it out (config, safetensors shards
+        and their index), the stages' weights streamed to it: rank 0 holds its stage and at most two shards, never
+        the whole model (every rank calls it)."""
+        state = self.stage.state_dict()
+        listings = [None] * self.trainer.accelerator.num_processes
+        dist.all_gather_object(listings, [(name, tuple(t.shape), t.dtype) for name, t in state.items()])
+        weights = stream_pipeline_weights(state, dst=0)
+        if self.trainer.accelerator.process_index != 0:
+            for _ in weights:
+                pass
+            return
+        model = self.stage.model
+        write_streamed_safetensors(
+            folder, [item for listing in listings for item in listing], weights, max_shard_size=MAX_SHARD_SIZE
+        )
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(folder)
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(folder)
 
     def generate_for_all_ranks(self, prompt_ids, images, multimodal_fields, num_generations, generate_here):
-        """Rank 0 generates every rank's rollouts with its full policy and the draft, fresh from the stages
-        (``generate_here``: the trainer's generation on this process, run with the full policy)."""
+        """The last stage generates every rank's rollouts through the pipeline, with the draft it trains, while the
+        other stages serve its forwards (``generate_here``: the trainer's generation on this process, run there).
+        Every rank gets its own rows, and the turn's ``spec/*`` metrics, so that every rank logs them."""
         trainer = self.trainer
         if images is not None or multimodal_fields:
             raise ValueError("Pipeline parallelism supports text-only rollouts.")
-        if trainer.state.global_step != self._rollout_synced_step:
-            self.sync_rollout_weights()
-            self._rollout_synced_step = trainer.state.global_step
         per_rank = [None] * trainer.accelerator.num_processes
         dist.all_gather_object(per_rank, prompt_ids)
+        if not self.generation.is_driver:
+            self.generation.serve()
+            results = [None]
+            dist.broadcast_object_list(results, src=self.last_rank)
+            if isinstance(results[0], Exception):
+                raise RuntimeError("The last stage's rollouts failed (its traceback is in its log).") from results[0]
+            rows, spec_metrics, acceptance = results[0]
+            for (mode, name), values in spec_metrics.items():
+                trainer._metrics[mode][name].extend(values)
+            trainer.rollouts.acceptance_history.extend(acceptance)
+            return rows[trainer.accelerator.process_index]
+        logged = _spec_metric_counts(trainer._metrics)
+        history = len(trainer.rollouts.acceptance_history)
         results = [None]
-        if self.rollout_policy is not None:
+        try:
             everyone = [ids for ids in per_rank for ids in ids]
-            wrapped, trainer.model_wrapped = trainer.model_wrapped, self.rollout_policy
-            try:
-                completions, logprobs = generate_here(everyone, None, {}, num_generations)
-            finally:
-                trainer.model_wrapped = wrapped
+            completions, logprobs = generate_here(everyone, None, {}, num_generations)
             bounds = torch.tensor([0, *map(len, per_rank)]).cumsum(0).tolist()
-            results = [
-                [
-                    (completions[start:end], None if logprobs is None else logprobs[start:end])
-                    for start, end in zip(bounds[:-1], bounds[1:])
-                ]
+            rows = [
+                (completions[start:end], None if logprobs is None else logprobs[start:end])
+                for start, end in zip(bounds[:-1], bounds[1:])
             ]
-        dist.broadcast_object_list(results, src=0)
-        return results[0][trainer.accelerator.process_index]
+            spec_metrics = {
+                (mode, name): trainer._metrics[mode][name][logged.get((mode, name), 0) :]
+                for mode, name in _spec_metric_counts(trainer._metrics)
+            }
+            results = [(rows, spec_metrics, trainer.rollouts.acceptance_history[history:])]
+            return rows[-1]
+        except Exception as error:
+            results = [RuntimeError(f"{type(error).__name__}: {error}")]
+            raise
+        finally:
+            self.generation.finish()
+            dist.broadcast_object_list(results, src=self.last_rank)
+
+
+def _spec_metric_counts(metrics: dict) -> dict[tuple[str, str], int]:
+    """How many values each ``spec/*`` metric holds, by (mode, name)."""
+    return {
+        (mode, name): len(values)
+        for mode in metrics
+        for name, values in metrics[mode].items()
+        if name.startswith("spec/")
+    }

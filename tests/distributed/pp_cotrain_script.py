@@ -1,30 +1,38 @@
 """Run by tests/distributed/test_trainer_pp.py: two GRPO steps with co-training, either under
 `torchrun --nproc_per_node 2` with `pipeline_parallel_size=2` ("pp") or in one plain process on the same 8 rows
 ("single"); records what `cotrain_cases.record_training` records (see cotrain_cases.py for the runs), and the
-weights the rollouts were generated with. After training both modes save the policy to `<out_dir>/final` (under
-pipeline parallelism: the stages streamed to rank 0).
+completions each generation really produced. After training both modes save the policy to `<out_dir>/final` (under
+pipeline parallelism: the stages streamed to rank 0, which writes them).
 
-Rollouts really run (speculative, with the generating rank's full policy and draft) but are then replaced by the
-fixed completions, so both runs train on the same rows.
+Rollouts really run (speculative: under pipeline parallelism the last stage drives them through the stages) but are
+then replaced by the fixed completions, so both runs train on the same rows. Their random numbers do not depend on
+the generating rank here, so both runs sample their first rollouts, from the same weights, alike.
 """
 
 from pathlib import Path
 
-from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training, snapshot
+from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.training import rollouts
+
+
+_seeded_generator = rollouts.seeded_generator
+# The rollouts' random numbers without the generating rank (the last stage under pipeline parallelism, 0 in one process).
+rollouts.seeded_generator = lambda seed, step, rank, mode, device=None: _seeded_generator(
+    seed, step, 0, mode, device=device
+)
 
 
 class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rollout_weights = []  # (policy, draft) state at each generation, on the generating rank
+        self.generated = []  # the completions of each generation, on the generating rank
 
     def _generate_on_this_process(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        policy = self.accelerator.unwrap_model(self.model_wrapped)
-        self.rollout_weights.append((snapshot(policy), snapshot(self.draft)))
         generated, _ = super()._generate_on_this_process(prompt_ids, images, multimodal_fields, num_generations)
         assert len(generated) == len(prompt_ids)
+        self.generated.append(generated)
         return fixed_completions(prompt_ids), None
 
 
@@ -42,7 +50,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     )
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))
-    return {**record, "rollout_weights": trainer.rollout_weights}
+    return {**record, "generated": trainer.generated}
 
 
 if __name__ == "__main__":
