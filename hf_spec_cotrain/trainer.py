@@ -258,6 +258,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         sharded = self._context_parallel_shard()
         if sharded is not None:
             return sharded.log_probs(model, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+        if isinstance(self.parallel_step, PipelineParallelStep) and model is self.ref_model:
+            # The reference is cut into stages: they compute its log-probs in the training step (`beta` > 0).
+            return None, None, None
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs
         )

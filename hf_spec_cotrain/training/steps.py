@@ -180,6 +180,11 @@ class PipelineParallelStep(TrainingStepStrategy):
             epsilon_low=trainer.epsilon_low,
             epsilon_high=trainer.epsilon_high,
             loss_type=trainer.loss_type,
+            beta=trainer.beta,
+            bias_correction_kl=args.use_bias_correction_kl,
+            # TRL's reference model, cut to this stage too; TRL no longer computes its log-probs (the trainer skips
+            # that), the stages do in each step, on the batch the pipeline trains on.
+            reference_model=None if trainer.ref_model is None else accelerator.unwrap_model(trainer.ref_model),
             ttt_steps=args.ttt_steps,
             ttt_step_weight_decay=args.ttt_step_weight_decay,
             ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,

@@ -28,9 +28,16 @@ class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
         return fixed_completions(prompt_ids), None
 
 
+# A KL term to TRL's reference model, which is synced towards the policy after the first step (so that the second
+# step's KL and its gradient are not zero, and the stages' cut reference takes TRL's sync).
+VARIANTS = {"beta": dict(beta=0.5, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)}
+
+
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
-    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type`."""
-    mode, _, loss_type = mode.partition("-")
+    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type` or a
+    name of `VARIANTS`."""
+    mode, _, variant = mode.partition("-")
+    options = VARIANTS.get(variant, {"loss_type": variant or "dapo"})
     config = equality_run_config(
         out_dir,
         per_device_train_batch_size=4 if mode == "pp" else 8,
@@ -38,7 +45,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         draft_learning_rate=0.01,
         pipeline_parallel_size=2 if mode == "pp" else 1,
         pipeline_num_microbatches=4,
-        loss_type=loss_type or "dapo",
+        **options,
     )
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))

@@ -79,3 +79,17 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps_for_each_loss_ty
         assert_same_tensors(record["policy_grads"], grads, f"{loss_type} policy grad", relative_to_max=True)
         assert_same_tensors(record["policy_params"], params, f"{loss_type} policy", relative_to_max=False)
         assert_same_step_logs(record, single, ["loss", "grad_norm"])
+
+
+def test_pipeline_parallel_steps_with_a_kl_term_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """`beta` > 0: TRL's reference model is cut into the same stages and synced by TRL's callback; the stages compute
+    its log-probs in the step and the last stage adds the KL term, as one process's `_compute_loss` does."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="beta")
+    assert_single_run_learned(pp, single)
+    assert single["step_logs"][1]["kl"] > 1e-6  # the second step's KL term weighs in
+    for record in pp:
+        names = set(record["policy_params"])
+        grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
+        assert_same_tensors(record["policy_grads"], grads, "beta policy grad", relative_to_max=True)
+        assert_same_tensors(record["policy_params"], params, "beta policy", relative_to_max=False)
+        assert_same_step_logs(record, single, ["loss", "grad_norm"])
