@@ -244,6 +244,11 @@ class Eagle3DraftModel(PreTrainedModel):
             draft.bind_target(target)
         return (draft, info) if want_info else draft
 
+    def should_save_on_this_rank(self, is_main_process: bool) -> bool:
+        """The caller picks the process that writes the draft (under pipeline parallelism the last stage, which trains
+        it), not transformers' rule of global rank 0."""
+        return is_main_process
+
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """Write the vLLM-loadable checkpoint: safetensors, ``architectures: ["LlamaForCausalLMEagle3"]``."""
         if push_to_hub:

@@ -60,9 +60,9 @@ def reward(completions, **kwargs):
 
 
 def equality_run_config(out_dir: str, *, per_device_train_batch_size: int, **options) -> SpecCoTrainConfig:
-    """Two steps whose updates compare at float32 precision between a parallel run and one process."""
-    return SpecCoTrainConfig(
-        output_dir=out_dir,
+    """Two steps whose updates compare at float32 precision between a parallel run and one process (`options` add
+    to or override these)."""
+    defaults = dict(
         use_cpu=True,
         bf16=False,
         report_to="none",
@@ -82,8 +82,8 @@ def equality_run_config(out_dir: str, *, per_device_train_batch_size: int, **opt
         draft_warmup_steps=0,
         ttt_steps=2,
         disable_tqdm=True,
-        **options,
     )
+    return SpecCoTrainConfig(output_dir=out_dir, **{**defaults, **options})
 
 
 def equality_trainer(trainer_class, policy_dir: str, config: SpecCoTrainConfig):

@@ -12,13 +12,19 @@ from cotrain_cases import (
     assert_same_tensors,
     assert_single_run_learned,
     run_parallel_and_single,
+    snapshot,
 )
 from pp_cotrain_script import run
-from safetensors.torch import load_file
+from torchrun_launch import run_torchrun
+from transformers import AutoModelForCausalLM
+
+from hf_spec_cotrain import Eagle3DraftModel
+from hf_spec_cotrain.training.checkpoints import PIPELINE_STAGE_KINDS, pipeline_stage_file
 
 
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).with_name("pp_cotrain_script.py")
+RESUME_SCRIPT = Path(__file__).with_name("pp_resume_script.py")
 
 
 def only(tensors: dict, names) -> dict:
@@ -52,9 +58,9 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_p
         assert_same_tensors(policy, policy_ref, "rollout policy", relative_to_max=False)
         assert_same_tensors(draft, draft_ref, "rollout draft", relative_to_max=False)
     assert any(not torch.equal(p, single["policy_start"][n]) for n, p in pp[0]["rollout_weights"][1][0].items())
-    # `save_model` writes the full policy, streamed to rank 0.
-    saved = load_file(tmp_path / "pp" / "final" / "model.safetensors")
-    assert_same_tensors(saved, single["policy_params"], "saved policy", relative_to_max=False)
+    # `save_model` writes each stage's shard of the policy: together one HF sharded checkpoint of the whole policy.
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
+    assert_same_tensors(snapshot(saved), single["policy_params"], "saved policy", relative_to_max=False)
 
     # Every step logged the policy loss, its gradient norm over all stages and the draft's metrics, equal to
     # the single process's, on every rank; rank 0 also logged its speculative rollouts.
@@ -93,3 +99,36 @@ def test_pipeline_parallel_steps_with_a_kl_term_equal_the_single_process_steps(t
         assert_same_tensors(record["policy_grads"], grads, "beta policy grad", relative_to_max=True)
         assert_same_tensors(record["policy_params"], params, "beta policy", relative_to_max=False)
         assert_same_step_logs(record, single, ["loss", "grad_norm"])
+
+
+def test_pipeline_parallel_resume_equals_the_uninterrupted_run(tmp_path, tiny_policy_dir):
+    """Each stage checkpoints its own shard of the policy, optimizer and scheduler, the last stage the draft and its
+    optimizer; a run resumed from the checkpoint takes the same third step as the uninterrupted run."""
+    out_dir = tmp_path / "resume"
+    run_torchrun(RESUME_SCRIPT, tiny_policy_dir, out_dir, "pp", log=tmp_path / "resume.log")
+    records = [torch.load(out_dir / f"pp{rank}.pt", weights_only=False) for rank in range(2)]
+
+    checkpoint = out_dir / "uninterrupted" / "checkpoint-2"
+    for stage in range(2):
+        for kind in PIPELINE_STAGE_KINDS:
+            assert (checkpoint / pipeline_stage_file(kind, stage, 2)).is_file(), (kind, stage)
+    assert not (checkpoint / "model.safetensors").exists()  # no rank wrote the whole policy
+    # The stages' shards are one HF sharded checkpoint of the policy; the draft is the last stage's.
+    saved = snapshot(AutoModelForCausalLM.from_pretrained(checkpoint))
+    at_checkpoint = {**records[0]["at_checkpoint"]["policy"], **records[1]["at_checkpoint"]["policy"]}
+    assert_same_tensors(saved, at_checkpoint, "checkpointed policy", relative_to_max=False)
+    saved_draft = snapshot(Eagle3DraftModel.from_pretrained(checkpoint / "draft"))
+    assert_same_tensors(saved_draft, records[1]["at_checkpoint"]["draft"], "checkpointed draft", relative_to_max=False)
+
+    for record in records:
+        uninterrupted, resumed = record["uninterrupted"], record["resumed"]
+        assert any(not torch.equal(p, record["at_checkpoint"]["policy"][n]) for n, p in resumed["policy"].items())
+        torch.testing.assert_close(resumed["policy"], uninterrupted["policy"], rtol=0, atol=0)
+        torch.testing.assert_close(resumed["optimizer"], uninterrupted["optimizer"], rtol=0, atol=0)
+    last = records[1]
+    assert last["uninterrupted"]["draft_optimizer"]["state"]  # the last stage's draft optimizer has moments
+    assert any(not torch.equal(p, last["at_checkpoint"]["draft"][n]) for n, p in last["resumed"]["draft"].items())
+    torch.testing.assert_close(last["resumed"]["draft"], last["uninterrupted"]["draft"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        last["resumed"]["draft_optimizer"], last["uninterrupted"]["draft_optimizer"], rtol=0, atol=0
+    )
