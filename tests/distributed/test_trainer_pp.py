@@ -32,34 +32,35 @@ def only(tensors: dict, names) -> dict:
     return {name: tensors[name] for name in names}
 
 
-def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
-    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp")
-
+def assert_stages_equal_the_single_process(pp: list[dict], single: dict, saved_policy: Path) -> None:
+    """What every pipelined trainer run must reproduce of the single process's steps."""
     assert_single_run_learned(pp, single)
-    # Each stage holds its slice of the policy (layers 0-3 with the embedding, 4-7 with the norm and the head),
+    # Each stage holds its slice of the policy (the first with the embedding, the last with the norm and the head),
     # with the gradients and the update of the whole model's step.
     stage_names = [set(record["policy_params"]) for record in pp]
-    assert not stage_names[0] & stage_names[1] and stage_names[0] | stage_names[1] == set(single["policy_params"])
-    assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[1]
+    assert sum(map(len, stage_names)) == len(set().union(*stage_names)) == len(single["policy_params"])
+    assert set().union(*stage_names) == set(single["policy_params"])
+    assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[-1]
     for record, names in zip(pp, stage_names):
         rank = record["rank"]
         grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
         assert_same_tensors(record["policy_grads"], grads, f"rank {rank} policy grad", relative_to_max=True)
         assert_same_tensors(record["policy_params"], params, f"rank {rank} policy", relative_to_max=False)
     # The draft trains on the last stage only.
-    assert not pp[0]["draft_grads"]
-    assert_same_tensors(pp[1]["draft_grads"], single["draft_grads"], "draft grad", relative_to_max=True)
-    assert_same_tensors(pp[1]["draft_params"], single["draft_params"], "draft", relative_to_max=False)
+    assert not any(record["draft_grads"] for record in pp[:-1])
+    assert_same_tensors(pp[-1]["draft_grads"], single["draft_grads"], "draft grad", relative_to_max=True)
+    assert_same_tensors(pp[-1]["draft_params"], single["draft_params"], "draft", relative_to_max=False)
 
     # Rank 0 generated every rollout with the full policy and the draft streamed from the stages: at the second
     # step's generation, the weights the single process had after its first step.
-    assert not pp[1]["rollout_weights"] and len(pp[0]["rollout_weights"]) == len(single["rollout_weights"]) == 2
+    assert not any(record["rollout_weights"] for record in pp[1:])
+    assert len(pp[0]["rollout_weights"]) == len(single["rollout_weights"]) == 2
     for (policy, draft), (policy_ref, draft_ref) in zip(pp[0]["rollout_weights"], single["rollout_weights"]):
         assert_same_tensors(policy, policy_ref, "rollout policy", relative_to_max=False)
         assert_same_tensors(draft, draft_ref, "rollout draft", relative_to_max=False)
     assert any(not torch.equal(p, single["policy_start"][n]) for n, p in pp[0]["rollout_weights"][1][0].items())
     # `save_model` writes each stage's shard of the policy: together one HF sharded checkpoint of the whole policy.
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
+    saved = AutoModelForCausalLM.from_pretrained(saved_policy)
     assert_same_tensors(snapshot(saved), single["policy_params"], "saved policy", relative_to_max=False)
 
     # Every step logged the policy loss, its gradient norm over all stages and the draft's metrics, equal to
@@ -67,6 +68,25 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_p
     for record in pp:
         assert_same_step_logs(record, single, [*DRAFT_METRICS, "loss", "grad_norm"])
     assert all(entry["spec/acceptance_length"] >= 1 for entry in pp[0]["step_logs"])
+
+
+def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp")
+    assert_stages_equal_the_single_process(pp, single, tmp_path / "pp" / "final")
+
+
+@pytest.mark.slow
+def test_four_pipeline_stages_equal_the_single_process_and_each_holds_its_share(tmp_path, tiny_policy_dir):
+    """4 stages of 2 layers each. Memory: each rank holds at most 1/4 + 0.15 of the single process's policy
+    parameters and optimizer state (bytes of the tensors' storages after training, a size fixed from the first
+    optimizer step on; not the RSS, which counts the libraries and the activations of the moment). Not counted:
+    the full policy every rank loads before the step cuts it, and rank 0's rollout copy."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="4stages", nproc=4)
+    assert_stages_equal_the_single_process(pp, single, tmp_path / "pp-4stages" / "final")
+    whole = single["held_bytes"]
+    assert whole == 2 * 4 * sum(p.numel() for p in single["policy_params"].values())  # float32 parameters, momenta
+    for record in pp:
+        assert record["held_bytes"] <= (1 / 4 + 0.15) * whole, (record["rank"], record["held_bytes"], whole)
 
 
 # bnpo equals dapo in these steps (one generation batch per step, no accumulation): its whole-batch normaliser is
