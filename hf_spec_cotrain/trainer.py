@@ -448,7 +448,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
 
         def write(temporary: Path) -> None:
-            self.draft.save_pretrained(temporary)
+            self.draft.save_pretrained(temporary, on_this_rank=True)  # the caller is the process that writes it
             (temporary / "README.md").write_text(card, encoding="utf-8")
 
         write_atomically(folder, write)
