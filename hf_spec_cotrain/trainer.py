@@ -14,7 +14,8 @@ The trainer holds three components and wires them into TRL's hooks:
 
 Checkpoints hold the draft (a vLLM-loadable folder) and its optimizer and scheduler state, written before
 transformers marks the checkpoint complete and deletes old ones; resuming from a checkpoint without them is an error
-(`hf_spec_cotrain.training.checkpoints`).
+(`hf_spec_cotrain.training.checkpoints`). Under pipeline parallelism each stage saves and restores its own shard of
+the policy, optimizer and scheduler, and the last stage the draft.
 """
 
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_model
+from safetensors.torch import load_file
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
@@ -36,7 +38,16 @@ from .draft import Eagle3DraftModel, count_tokens
 from .hub import push_draft_folder, render_draft_card
 from .parallel.dims import ParallelDims
 from .taps import TapRecorder
-from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically
+from .training.checkpoints import (
+    DRAFT_FOLDER,
+    DRAFT_STATE_FILE,
+    check_resumable,
+    load_pipeline_stage_state,
+    pipeline_stage_file,
+    save_pipeline_policy_shard,
+    save_pipeline_stage_states,
+    write_atomically,
+)
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback, RecordedTaps
 from .training.rollouts import RolloutSampling, SpeculativeRollouts, build_rollout_engine
 from .training.steps import ContextParallelStep, PipelineParallelStep
@@ -259,6 +270,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         sharded = self._context_parallel_shard()
         if sharded is not None:
             return sharded.log_probs(model, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
+        if isinstance(self.parallel_step, PipelineParallelStep) and model is self.ref_model:
+            # The reference is cut into stages: they compute its log-probs in the training step (`beta` > 0).
+            return None, None, None
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs
         )
@@ -350,20 +364,48 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             self._saving_checkpoint = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not isinstance(self.parallel_step, PipelineParallelStep):
-            super().save_model(output_dir, _internal_call)
-        else:
-            # Every rank streams its stage to rank 0, which writes the policy shard by shard; the draft reaches it too.
-            output_dir = output_dir if output_dir is not None else self.args.output_dir
-            self.parallel_step.save_policy(output_dir)
-            self.parallel_step.sync_draft()
-            if self.args.should_save:  # what `Trainer._save` writes besides the model
-                self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, Path(output_dir, TRAINING_ARGS_NAME))
-            if self.args.push_to_hub and not _internal_call:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        if isinstance(self.parallel_step, PipelineParallelStep):
+            self._save_pipeline_stages(Path(output_dir or self.args.output_dir))
+            return
+        super().save_model(output_dir, _internal_call)
         if self._saving_checkpoint and self.args.save_draft and self.args.should_save:
             self._save_draft_checkpoint(Path(output_dir))
+
+    def _save_pipeline_stages(self, folder: Path) -> None:
+        """Every rank writes its stage's shard of the policy (rank 0 also the config, the tokenizer, the arguments
+        and the index), so the folder is a HF sharded checkpoint of the whole policy that no rank gathered; in a
+        checkpoint the last stage writes the draft and its training state first."""
+        folder.mkdir(parents=True, exist_ok=True)
+        if self._saving_checkpoint and self.args.save_draft and self._writes_draft():
+            self._save_draft_checkpoint(folder)
+        save_pipeline_policy_shard(folder, self.parallel_step.stage.state_dict())
+        if self.args.should_save:
+            policy = self._policy()
+            policy.config.save_pretrained(folder)
+            if policy.generation_config is not None:
+                policy.generation_config.save_pretrained(folder)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(folder)
+            torch.save(self.args, folder / TRAINING_ARGS_NAME)
+
+    def _writes_draft(self) -> bool:
+        """Whether this process writes the draft: the last stage under pipeline parallelism (it trains the draft,
+        and generated the rollouts whose acceptance history goes with it), else the main process."""
+        if not isinstance(self.parallel_step, PipelineParallelStep):
+            return self.args.should_save
+        return self.accelerator.process_index == self.parallel_step.last_rank
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if not isinstance(self.parallel_step, PipelineParallelStep):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_pipeline_stage_states(output_dir, self.optimizer, self.lr_scheduler)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not isinstance(self.parallel_step, PipelineParallelStep):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        stage = self.parallel_step.stage
+        shard = Path(resume_from_checkpoint) / pipeline_stage_file("model", stage.stage_index, stage.num_stages)
+        stage.model.load_state_dict(load_file(shard))  # copied into the stage's parameters, on its device
 
     def _save_draft_checkpoint(self, folder: Path) -> None:
         """The draft and its training state, each renamed into place once written whole."""
@@ -372,7 +414,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         write_atomically(folder / DRAFT_STATE_FILE, lambda path: torch.save(state, path))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and isinstance(self.parallel_step, PipelineParallelStep):
+            self.optimizer.load_state_dict(load_pipeline_stage_state(checkpoint, "optimizer"))
+            self.lr_scheduler.load_state_dict(load_pipeline_stage_state(checkpoint, "scheduler"))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         if not (Path(checkpoint) / DRAFT_FOLDER).is_dir():  # `train` refused this unless `save_draft=False`
@@ -405,7 +451,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
 
         def write(temporary: Path) -> None:
-            self.draft.save_pretrained(temporary)
+            self.draft.save_pretrained(temporary, on_this_rank=True)  # the caller is the process that writes it
             (temporary / "README.md").write_text(card, encoding="utf-8")
 
         write_atomically(folder, write)
@@ -431,21 +477,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         return self.args.draft_hub_model_id or f"{base}-eagle3"
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        pipeline = isinstance(self.parallel_step, PipelineParallelStep)
-        if pipeline and resume_from_checkpoint not in (None, False):
-            raise ValueError(
-                f"`resume_from_checkpoint`={resume_from_checkpoint!r}: resuming is not supported under pipeline "
-                "parallelism yet (a checkpoint holds the full policy, but only the first stage's optimizer state)."
-            )
         checkpoint = resume_from_checkpoint
         if checkpoint is True and Path(self.args.output_dir).is_dir():
             checkpoint = get_last_checkpoint(self.args.output_dir)  # as transformers resolves it
         if isinstance(checkpoint, str | os.PathLike):
-            check_resumable(checkpoint, draft=self.args.save_draft)
+            stages = self.parallel_dims.pipeline_parallel_size
+            check_resumable(checkpoint, draft=self.args.save_draft, pipeline_stages=stages)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
-        if pipeline and self.args.save_draft:
-            self.parallel_step.sync_draft()  # the last stage's draft reaches rank 0, which saves it
-        if self.args.save_draft and self.args.should_save:
+        if self.args.save_draft and self._writes_draft():
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
             if self.args.push_draft_to_hub:
                 self.push_draft_to_hub()

@@ -12,7 +12,12 @@ import pytest
 import torch
 from kill_during_save import KILLED_AT_STEP, build_trainer
 
-from hf_spec_cotrain.training.checkpoints import write_atomically
+from hf_spec_cotrain.training.checkpoints import (
+    PIPELINE_STAGE_KINDS,
+    check_resumable,
+    pipeline_stage_file,
+    write_atomically,
+)
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +121,25 @@ def test_write_atomically_keeps_the_old_version_when_the_write_fails(tmp_path, k
     write_atomically(path, write("new"))
     assert read() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+def test_resuming_under_pipeline_parallelism_needs_every_stage_files(tmp_path):
+    """A pipelined checkpoint is complete with each stage's shard of the policy, optimizer and scheduler; one written
+    by another number of stages, or missing a stage's file, is refused, naming the file and the latest complete
+    checkpoint."""
+    for step in (2, 4):
+        checkpoint = tmp_path / f"checkpoint-{step}"
+        checkpoint.mkdir()
+        for name in [
+            "trainer_state.json",
+            *[pipeline_stage_file(k, s, 2) for s in range(2) for k in PIPELINE_STAGE_KINDS],
+        ]:
+            (checkpoint / name).write_text("{}")
+    check_resumable(checkpoint, draft=False, pipeline_stages=2)
+    (checkpoint / "optimizer-stage-00002-of-00002.pt").unlink()
+    with pytest.raises(
+        ValueError, match=r"no optimizer-stage-00002-of-00002.pt \(it was not written by 2 pipeline .*checkpoint-2"
+    ):
+        check_resumable(checkpoint, draft=False, pipeline_stages=2)
+    with pytest.raises(ValueError, match=r"no model-00001-of-00004.safetensors, .*written by 4 pipeline stages"):
+        check_resumable(tmp_path / "checkpoint-2", draft=False, pipeline_stages=4)

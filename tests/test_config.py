@@ -155,7 +155,6 @@ PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_ge
             "`pipeline_num_microbatches`=8 does not divide the step's 12 rows",
         ),
         ({"use_vllm": True}, "'use_vllm'"),
-        ({"beta": 0.04}, "'beta=0.04'"),
         ({"loss_type": "cispo"}, "\"loss_type='cispo'\""),
         ({"context_parallel_size": 2}, "context_parallel_size"),
         ({"draft_bf16": True}, "'draft_bf16=True'"),
@@ -181,10 +180,11 @@ def test_config_accepts_pipeline_options():
         pipeline_schedule="GPipe",
         pipeline_num_microbatches=8,
         pipeline_tap_transport="relay",
+        beta=0.04,
     )
     assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
     # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).
-    assert SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, beta=0.04).pipeline_parallel_size == 1
+    assert SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, loss_type="cispo").pipeline_parallel_size == 1
 
 
 # --- Secrets -----------------------------------------------------------------------------------------------------

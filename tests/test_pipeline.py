@@ -70,24 +70,35 @@ def _inputs(vocab_size: int, *, with_old: bool, seed: int = 0):
         ({"temperature": 0.7}, True),
         ({"epsilon": 0.1, "epsilon_high": 0.28, "temperature": 1.3}, True),
         *[({"loss_type": loss_type, "temperature": 0.7}, True) for loss_type in ("grpo", "bnpo", "dr_grpo")],
+        # TRL's KL term to the reference model, with its importance-sampling correction (TRL's default) and without
+        ({"beta": 0.3, "temperature": 0.7}, False),
+        ({"beta": 0.3, "loss_type": "grpo"}, True),
+        ({"beta": 0.3, "use_bias_correction_kl": False, "loss_type": "dr_grpo"}, True),
     ],
 )
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with_old, accumulation):
     """The pipelined loss with its whole-batch normaliser equals TRL's `_compute_loss`, value and gradients, for
-    every loss type the pipeline takes, inside an accumulation window too."""
+    every loss type the pipeline takes, with a KL term, inside an accumulation window too."""
     trainer = _trl_trainer(policy_dir, tmp_path, **overrides)
     trainer.current_gradient_accumulation_steps = accumulation
     model = trainer.model
     inputs = _inputs(model.config.vocab_size, with_old=with_old)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    completion_length = inputs["completion_ids"].shape[1]
+    if trainer.beta != 0.0:  # a reference model near the policy: its log-probs moved by noise
+        with torch.no_grad():
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_length
+            )
+        noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(3))
+        inputs["ref_per_token_logps"] = logps + 0.5 * noise
     trl_loss = trainer._compute_loss(model, inputs)
     trl_loss.backward()
     trl_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
 
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    completion_length = inputs["completion_ids"].shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -completion_length - 1 : -1]
     loss = grpo_loss(
         logits,
@@ -106,6 +117,9 @@ def test_grpo_loss_equals_trl_compute_loss(policy_dir, tmp_path, overrides, with
             num_items_in_batch=inputs["num_items_in_batch"],
             gradient_accumulation_steps=accumulation,
         ),
+        ref_per_token_logps=inputs.get("ref_per_token_logps"),
+        beta=trainer.beta,
+        bias_correction_kl=trainer.args.use_bias_correction_kl,
     )
     loss.backward()
     assert loss.item() != 0.0
@@ -149,6 +163,8 @@ def test_unsupported_loss_types_are_refused():
     logits, ids, mask = torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(ValueError, match="`loss_type`='cispo' is not supported"):
         grpo_loss(logits, ids, mask, torch.zeros(1), loss_type="cispo")
+    with pytest.raises(ValueError, match="`beta`=0.1 weighs a KL term to the reference model"):
+        grpo_loss(logits, ids, mask, torch.zeros(1), beta=0.1)
 
 
 def test_stage_layer_ranges():

@@ -135,6 +135,7 @@ class Eagle3DraftModel(PreTrainedModel):
     _supports_sdpa = True
     # Checkpoints from other tools may carry the target's embedding; the draft reads the bound target's instead.
     _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$"]
+    _save_on_this_rank = False  # set by `save_pretrained(on_this_rank=True)` while it runs
 
     def __init__(self, config: Eagle3DraftConfig):
         super().__init__(config)
@@ -244,11 +245,25 @@ class Eagle3DraftModel(PreTrainedModel):
             draft.bind_target(target)
         return (draft, info) if want_info else draft
 
-    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        """Write the vLLM-loadable checkpoint: safetensors, ``architectures: ["LlamaForCausalLMEagle3"]``."""
+    def should_save_on_this_rank(self, is_main_process: bool) -> bool:
+        if self._save_on_this_rank:
+            return is_main_process
+        return super().should_save_on_this_rank(is_main_process)
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, on_this_rank: bool = False, **kwargs):
+        """Write the vLLM-loadable checkpoint: safetensors, ``architectures: ["LlamaForCausalLMEagle3"]``.
+
+        ``on_this_rank``: write the weights from this process whatever its rank, the caller having chosen it (under
+        pipeline parallelism the last stage, which trains the draft); transformers writes them from global rank 0
+        only.
+        """
         if push_to_hub:
             return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory))), **kwargs)
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+        self._save_on_this_rank = on_this_rank
+        try:
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self._save_on_this_rank = False
         # PreTrainedModel records the Python class name; vLLM dispatches on the EAGLE-3 architecture name.
         self.config.architectures = [EAGLE3_ARCHITECTURE]
         self.config.save_pretrained(save_directory)

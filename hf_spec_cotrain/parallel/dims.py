@@ -220,8 +220,8 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
             f"(`per_device_train_batch_size`={config.per_device_train_batch_size} x {size} stages): every "
             "micro-batch has the same shape."
         )
-    # The pipelined loss is TRL's clipped-ratio loss with beta=0 and token-level ratios (`grpo_loss`), and the stages
-    # cannot compute log-probs outside the pipeline (old log-probs of off-step rollouts, a reference model).
+    # The pipelined loss is TRL's clipped-ratio loss with token-level ratios and its KL term (`grpo_loss`), and the
+    # stages compute log-probs only inside the pipelined step (not the old log-probs of off-step rollouts).
     generate_every = config.steps_per_generation * config.num_iterations
     eval_strategy = getattr(config.eval_strategy, "value", config.eval_strategy)
     incompatible = {
@@ -230,7 +230,6 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         "fsdp": fsdp or config.fsdp,
         "use_liger_kernel": config.use_liger_kernel,
         "draft_bf16=True": config.draft_bf16 is True,
-        f"beta={config.beta}": config.beta != 0.0,
         f"loss_type={config.loss_type!r}": config.loss_type not in GRPO_LOSS_TYPES,
         f"importance_sampling_level={config.importance_sampling_level!r}": config.importance_sampling_level != "token",
         f"top_entropy_quantile={config.top_entropy_quantile}": config.top_entropy_quantile < 1.0,
@@ -246,7 +245,7 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
     _refuse(
         f"`pipeline_parallel_size`={size}",
         incompatible,
-        f"the pipelined step computes TRL's GRPO loss (loss_type one of {', '.join(GRPO_LOSS_TYPES)}, beta=0, "
+        f"the pipelined step computes TRL's GRPO loss (loss_type one of {', '.join(GRPO_LOSS_TYPES)}, "
         "token-level ratios) on plain processes, with HF-native rollouts through the stages. Change them or set "
         "`pipeline_parallel_size=1`.",
     )

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from ..parallel.pipeline import (
     GRPO_LOSS_TYPES,
@@ -82,14 +82,20 @@ def grpo_loss(
     epsilon_high: float | None = None,
     loss_type: str = "dapo",
     normalizer: float | torch.Tensor | None = None,
+    ref_per_token_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    bias_correction_kl: bool = True,
 ) -> torch.Tensor:
     r"""
-    TRL's GRPO loss with ``beta=0`` and token-level importance sampling, for the loss types of `GRPO_LOSS_TYPES`.
+    TRL's GRPO loss with token-level importance sampling, for the loss types of `GRPO_LOSS_TYPES`.
 
-    ``-sum min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * mask_t / normalizer`` with
+    ``sum (-min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta kl_t) * mask_t / normalizer`` with
     ``r_t = exp(logp_t - old_logp_t)``, summed over the counted tokens (``loss_type="grpo"``: each row's sum
     divided by its counted tokens first, then summed over the rows); without ``old_per_token_logps`` the ratio is
-    1 with the policy's own gradient (TRL detaches the current log-probs then).
+    1 with the policy's own gradient (TRL detaches the current log-probs then). With ``beta`` > 0, TRL's KL
+    estimate to the reference model ``kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1``, times ``r_t`` with
+    ``bias_correction_kl`` (TRL's ``use_bias_correction_kl``, on by default: ``r_t`` then carries the policy's
+    gradient into the KL term even without old log-probs).
 
     Args:
         logits: ``[B, C, V]`` logits at the positions predicting the completion tokens.
@@ -101,9 +107,13 @@ def grpo_loss(
         normalizer: the denominator (`grpo_loss_normalizer` gives TRL's for a whole batch). Default: this call's
             own, without gradient accumulation. Summing the losses of micro-batches that all use the whole batch's
             normalizer gives the whole batch's loss.
+        ref_per_token_logps: ``[B, C]`` log-probs of the reference model, required when ``beta`` is not 0.
+        beta, bias_correction_kl: TRL's ``beta`` and ``use_bias_correction_kl``.
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
+    if beta != 0.0 and ref_per_token_logps is None:
+        raise ValueError(f"`beta`={beta} weighs a KL term to the reference model: pass `ref_per_token_logps`.")
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     mask = completion_mask.to(torch.float32)
     per_token_logps = grpo_per_token_logps(logits, completion_ids, temperature=temperature)
@@ -113,7 +123,15 @@ def grpo_loss(
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     ratio = torch.exp(per_token_logps - old)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages) * mask
+    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+    if beta != 0.0:
+        ref_per_token_logps = ref_per_token_logps.masked_fill(completion_mask == 0, 0.0)  # as TRL's are
+        log_ratio_to_reference = ref_per_token_logps - per_token_logps
+        per_token_kl = torch.exp(log_ratio_to_reference) - log_ratio_to_reference - 1
+        if bias_correction_kl:
+            per_token_kl = per_token_kl * ratio
+        per_token_loss = per_token_loss + beta * per_token_kl
+    per_token_loss = per_token_loss * mask
     if loss_type == "grpo":
         per_token_loss = per_token_loss / mask.sum(-1, keepdim=True).clamp(min=1.0)
     if normalizer is None:
@@ -151,6 +169,21 @@ def grpo_loss_normalizer(
 
 
 # ---------------------------------------------------------------------------------------------------- the step
+
+
+class ReferenceLogProbs(nn.Module):
+    """A stage of the reference model, run forward-only: the last stage returns the log-probs of the completion
+    tokens (``[B, C]``, what the KL term needs), not the logits."""
+
+    def __init__(self, stage: StageModule, *, temperature: float):
+        super().__init__()
+        self.stage, self.temperature = stage, temperature
+
+    def forward(self, x, *, attention_mask, microbatch, completion_ids):
+        out = self.stage(x, attention_mask=attention_mask, microbatch=microbatch)
+        if not self.stage.is_last:
+            return out
+        return grpo_per_token_logps(out, completion_ids, temperature=self.temperature)
 
 
 @dataclass
@@ -208,6 +241,11 @@ class PipelineCoTrainStep:
         layers_per_stage: decoder layers of each stage (default: as even as possible, extras first).
         temperature, epsilon_low, epsilon_high, loss_type: as in `grpo_loss` (TRL's `temperature`, `epsilon`,
             `epsilon_high`, `loss_type`).
+        beta, bias_correction_kl: the KL term of `grpo_loss` (TRL's `beta`, `use_bias_correction_kl`).
+        reference_model: the reference policy of the KL term, required when ``beta`` is not 0: the full model on
+            every rank, cut **in place** to the same stage; each step first runs it forward-only through the
+            pipeline (`torch.distributed.pipelining`'s ``eval``) on the step's batch, so the last stage gets the
+            reference log-probs of every row without any rank holding the whole reference.
         ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing: the draft's training-time test (`ttt_loss`).
         device: where this stage runs (default: the model's device).
     """
@@ -227,6 +265,9 @@ class PipelineCoTrainStep:
         epsilon_low: float = 0.2,
         epsilon_high: float | None = None,
         loss_type: str = "dapo",
+        beta: float = 0.0,
+        bias_correction_kl: bool = True,
+        reference_model: nn.Module | None = None,
         ttt_steps: int = 3,
         ttt_step_weight_decay: float = 0.8,
         ttt_gradient_checkpointing: bool = False,
@@ -255,7 +296,13 @@ class PipelineCoTrainStep:
             )
         if loss_type not in GRPO_LOSS_TYPES:
             raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
+        if beta != 0.0 and reference_model is None:
+            raise ValueError(
+                f"`beta`={beta} weighs a KL term to the reference model: pass `reference_model=` (the full reference "
+                "policy on every rank; it is cut to the stage), or set `beta=0`."
+            )
         self.loss_type = loss_type
+        self.beta, self.bias_correction_kl = beta, bias_correction_kl
         self.schedule_class = PIPELINE_SCHEDULES[schedule.lower()]
         self.num_microbatches = num_microbatches
         self.temperature, self.epsilon_low = temperature, epsilon_low
@@ -294,6 +341,18 @@ class PipelineCoTrainStep:
             tap_layers=self.taps_of_stage[self.stage_index],
             relay=self.co_training and tap_transport == "relay",
         )
+        self.reference = None
+        if beta != 0.0:
+            cut_model_to_stage(
+                reference_model, self.layer_ranges[self.stage_index], is_first=self.is_first, is_last=self.is_last
+            )
+            reference_model.eval().requires_grad_(False)
+            self.reference = ReferenceLogProbs(
+                StageModule(reference_model, is_first=self.is_first, is_last=self.is_last, tap_layers=(), relay=False),
+                temperature=temperature,
+            )
+        self._reference_schedules: dict[tuple[int, int, int], ScheduleGPipe] = {}
+        self._ref_per_token_logps: torch.Tensor | None = None
         self.channel = (
             TapChannel(self.group, device=self.device) if self.co_training and tap_transport == "channel" else None
         )
@@ -359,13 +418,15 @@ class PipelineCoTrainStep:
             )
         self._normalizer = loss_normalizer
         self.module.logits_to_keep = completion_length
+        microbatch = torch.arange(rows) // micro_rows  # which micro-batch each row lands in (kept on the CPU)
+        kwargs = {"attention_mask": attention_mask, "microbatch": microbatch}
+        if self.reference is not None:
+            self._ref_per_token_logps = self._reference_log_probs(input_ids, batch.completion_ids, kwargs)
         if self.channel is not None:
             self.channel.begin_step()
             if self.is_last:
                 self._post_landing_buffers(micro_rows, length)
 
-        microbatch = torch.arange(rows) // micro_rows  # which micro-batch each row lands in (kept on the CPU)
-        kwargs = {"attention_mask": attention_mask, "microbatch": microbatch}
         losses: list[torch.Tensor] = []
         target = torch.arange(rows, device=self.device) if self.is_last else None
         if self.is_first:
@@ -380,7 +441,7 @@ class PipelineCoTrainStep:
             output.policy_loss = torch.stack(losses).sum().detach()
             if self.co_training:
                 output.draft = self._draft_step(batch, attention_mask, draft_loss_scale)
-        self._batch = None
+        self._batch = self._ref_per_token_logps = None
         return output
 
     def _validated(self, batch: GRPOBatch) -> GRPOBatch:
@@ -443,9 +504,39 @@ class PipelineCoTrainStep:
             )
         return self._schedules[key]
 
+    def _reference_log_probs(
+        self, input_ids: torch.Tensor, completion_ids: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor | None:
+        """The reference model's log-probs of the batch's completion tokens, ``[B, C]`` on the last stage (None
+        elsewhere): a forward-only pass of the reference stages through the pipeline, micro-batch by micro-batch."""
+        rows, length = input_ids.shape
+        micro_rows, completion_length = rows // self.num_microbatches, completion_ids.shape[1]
+        key = (micro_rows, length, completion_length)
+        if key not in self._reference_schedules:
+            meta = {"device": "meta"}
+            hidden = torch.empty(micro_rows, length, self.hidden_size, dtype=self.dtype, **meta)
+            inputs = (torch.empty(micro_rows, length, dtype=torch.int64, **meta),) if self.is_first else (hidden,)
+            log_probs_dtype = torch.promote_types(self.dtype, torch.float32)
+            output = torch.empty(micro_rows, completion_length, dtype=log_probs_dtype, **meta)
+            stage = PipelineStage(
+                self.reference,
+                self.stage_index,
+                self.num_stages,
+                self.device,
+                input_args=inputs,
+                output_args=(output if self.is_last else hidden,),
+                group=self.group,
+            )
+            self._reference_schedules[key] = ScheduleGPipe(stage, n_microbatches=self.num_microbatches)
+        self.reference.stage.logits_to_keep = completion_length
+        args = (input_ids,) if self.is_first else ()
+        with torch.no_grad():
+            return self._reference_schedules[key].eval(*args, completion_ids=completion_ids, **kwargs)
+
     def _micro_loss(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         batch = self._batch
         old = batch.old_per_token_logps
+        ref = self._ref_per_token_logps
         return grpo_loss(
             logits,
             batch.completion_ids[rows],
@@ -457,6 +548,9 @@ class PipelineCoTrainStep:
             epsilon_high=self.epsilon_high,
             loss_type=self.loss_type,
             normalizer=self._normalizer,
+            ref_per_token_logps=None if ref is None else ref[rows],
+            beta=self.beta,
+            bias_correction_kl=self.bias_correction_kl,
         )
 
     # ------------------------------------------------------------------ taps and the draft

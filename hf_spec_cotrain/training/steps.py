@@ -16,10 +16,8 @@ from trl.trainer.utils import pad
 from ..attention.hf_adapter import zigzag_ring_attention
 from ..generation.pipelined import PipelinedTarget
 from ..parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
-from ..parallel.pipeline import stream_pipeline_weights
 from .draft_cotraining import RecordedTaps
 from .pipeline_step import GRPOBatch, PipelineCoTrainStep, grpo_loss_normalizer
-from .saving import MAX_SHARD_SIZE, write_streamed_safetensors
 
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "token_type_ids")
@@ -149,8 +147,8 @@ class PipelineParallelStep(TrainingStepStrategy):
     Every rank loaded the full policy; `PipelineCoTrainStep` cuts it in place, so the optimizer (built later by the
     Trainer) holds this stage's parameters only. No rank holds the whole policy after that: the last stage, which
     holds the draft, drives every rank's rollouts while the other stages serve its forwards (`PipelinedTarget`), and
-    saving streams the stages to rank 0, which writes them shard by shard (`save_policy`). The draft trains on the
-    last stage; rank 0's draft receives it only to be saved (`sync_draft`).
+    every stage saves its own shard of the policy (the trainer's `save_model`). The draft trains, and is saved, on the
+    last stage.
 
     In each step the ranks exchange their micro-batches and every stage runs the same batch, the concatenation in rank
     order, through `PipelineCoTrainStep.step`: the GRPO loss with TRL's whole-batch normaliser at the last stage, and
@@ -176,6 +174,11 @@ class PipelineParallelStep(TrainingStepStrategy):
             epsilon_low=trainer.epsilon_low,
             epsilon_high=trainer.epsilon_high,
             loss_type=trainer.loss_type,
+            beta=trainer.beta,
+            bias_correction_kl=args.use_bias_correction_kl,
+            # TRL's reference model, cut to this stage too; TRL no longer computes its log-probs (the trainer skips
+            # that), the stages do in each step, on the batch the pipeline trains on.
+            reference_model=None if trainer.ref_model is None else accelerator.unwrap_model(trainer.ref_model),
             ttt_steps=args.ttt_steps,
             ttt_step_weight_decay=args.ttt_step_weight_decay,
             ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
@@ -241,43 +244,6 @@ class PipelineParallelStep(TrainingStepStrategy):
             old_per_token_logps=optional("old_per_token_logps", 0.0),
             tool_mask=optional("tool_mask", 0),
         )
-
-    def sync_draft(self) -> None:
-        """Stream the last stage's draft into rank 0's, which saves it (every rank calls it)."""
-        weights = stream_pipeline_weights(self.trainer.draft.state_dict() if self.generation.is_driver else {}, dst=0)
-        if self.trainer.accelerator.process_index != 0:
-            for _ in weights:  # the last stage sends; the others have nothing to do
-                pass
-            return
-        target = self.trainer.draft.state_dict()
-        received = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                target[name].copy_(tensor)
-                received.add(name)
-        if received != set(target):
-            raise RuntimeError(f"The last stage sent no draft weights for {sorted(set(target) - received)}.")
-
-    def save_policy(self, folder: str) -> None:
-        """Write the whole policy to `folder` from rank 0 as `save_pretrained` lays it out (config, safetensors shards
-        and their index), the stages' weights streamed to it: rank 0 holds its stage and at most two shards, never
-        the whole model (every rank calls it)."""
-        state = self.stage.state_dict()
-        listings = [None] * self.trainer.accelerator.num_processes
-        dist.all_gather_object(listings, [(name, tuple(t.shape), t.dtype) for name, t in state.items()])
-        weights = stream_pipeline_weights(state, dst=0)
-        if self.trainer.accelerator.process_index != 0:
-            for _ in weights:
-                pass
-            return
-        model = self.stage.model
-        write_streamed_safetensors(
-            folder, [item for listing in listings for item in listing], weights, max_shard_size=MAX_SHARD_SIZE
-        )
-        model.config.architectures = [type(model).__name__]
-        model.config.save_pretrained(folder)
-        if model.can_generate() and model.generation_config is not None:
-            model.generation_config.save_pretrained(folder)
 
     def generate_for_all_ranks(self, prompt_ids, images, multimodal_fields, num_generations, generate_here):
         """The last stage generates every rank's rollouts through the pipeline, with the draft it trains, while the

@@ -7,7 +7,7 @@ from hf_spec_cotrain import Eagle3DraftModel
 from hf_spec_cotrain.draft import count_tokens
 from hf_spec_cotrain.taps import TapRecorder
 from hf_spec_cotrain.testing import build_tiny_target
-from hf_spec_cotrain.training.pipeline_step import GRPOBatch, grpo_loss
+from hf_spec_cotrain.training.pipeline_step import GRPOBatch, grpo_loss, grpo_per_token_logps
 from hf_spec_cotrain.ttt import ttt_loss
 
 
@@ -20,6 +20,7 @@ MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 AUX_LAYER_IDS = (2, 4, 5)
 DRAFT_VOCAB_SIZE = 40
 TEMPERATURE = 0.9
+BETA = 0.5
 
 
 def build_policy(family: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -28,6 +29,17 @@ def build_policy(family: str = "llama", dtype: torch.dtype = torch.float32) -> t
     if family in MOE_FAMILIES and dtype == torch.float64:
         policy.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
     return policy.train()
+
+
+def build_reference(family: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A reference policy near `build_policy`'s (its weights moved by seeded noise, the same on every process), so
+    that the KL term and its gradient are not zero."""
+    reference = build_policy(family, dtype)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=dtype))
+    return reference.eval()
 
 
 def build_draft(policy: torch.nn.Module) -> Eagle3DraftModel:
@@ -63,11 +75,18 @@ def make_batch(seed: int, *, rows: int = 8, prompt_length: int = 5, completion_l
     )
 
 
-def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_IDS):
-    """One process, whole model: the policy's GRPO loss and the draft's `TTTOutput`, both backpropagated."""
+def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_IDS, reference=None):
+    """One process, whole model: the policy's GRPO loss (with a KL term of weight `BETA` to `reference`, when given)
+    and the draft's `TTTOutput`, both backpropagated."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     completion_length = batch.completion_ids.shape[1]
+    ref_per_token_logps = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+        ref_logits = ref_logits[:, -completion_length - 1 : -1]
+        ref_per_token_logps = grpo_per_token_logps(ref_logits, batch.completion_ids, temperature=TEMPERATURE)
     with TapRecorder(policy, aux_layer_ids, record_embeddings=True, record_final_hidden=True) as recorder:
         with recorder.capture():
             logits = policy(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -79,6 +98,8 @@ def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_I
         batch.advantages,
         batch.old_per_token_logps,
         temperature=TEMPERATURE,
+        ref_per_token_logps=ref_per_token_logps,
+        beta=0.0 if reference is None else BETA,
     )
     loss.backward()
     if draft is None:

@@ -1,8 +1,9 @@
 """Run by tests/distributed/test_trainer_pp.py: two GRPO steps with co-training, either under
-`torchrun --nproc_per_node 2` with `pipeline_parallel_size=2` ("pp") or in one plain process on the same 8 rows
-("single"); records what `cotrain_cases.record_training` records (see cotrain_cases.py for the runs), and the
-completions each generation really produced. After training both modes save the policy to `<out_dir>/final` (under
-pipeline parallelism: the stages streamed to rank 0, which writes them).
+`torchrun --nproc_per_node 2` with `pipeline_parallel_size=2` ("pp"; 4 processes and stages for the "4stages"
+variant) or in one plain process on the same 8 rows ("single"); records what `cotrain_cases.record_training`
+records (see cotrain_cases.py for the runs), the completions each generation really produced, and the bytes of the
+policy and its optimizer state held here. After training both modes save the policy to `<out_dir>/final` (under
+pipeline parallelism: every stage writes its shard).
 
 Rollouts really run (speculative: under pipeline parallelism the last stage drives them through the stages) but are
 then replaced by the fixed completions, so both runs train on the same rows. Their random numbers do not depend on
@@ -11,6 +12,7 @@ the generating rank here, so both runs sample their first rollouts, from the sam
 
 from pathlib import Path
 
+import torch
 from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
@@ -36,21 +38,44 @@ class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
         return fixed_completions(prompt_ids), None
 
 
+VARIANTS = {
+    # A KL term to TRL's reference model, which is synced towards the policy after the first step (so that the second
+    # step's KL and its gradient are not zero, and the stages' cut reference takes TRL's sync).
+    "beta": dict(beta=0.5, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5),
+    # 4 stages of 2 rows each (8 rows in all, as in one process), and an optimizer with a state (SGD's momentum: the
+    # update stays linear in the gradients, comparable at float32 precision) for the memory check.
+    "4stages": dict(optim_args="momentum=0.9"),
+}
+PIPELINE_STAGES = {"4stages": 4}
+
+
+def held_bytes(trainer) -> int:
+    """Bytes of the trained policy's parameters and optimizer state on this process (distinct storages): under
+    pipeline parallelism, the stage's."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    states = [v for state in trainer.optimizer.state_dict()["state"].values() for v in state.values()]
+    tensors = [*policy.parameters(), *(v for v in states if isinstance(v, torch.Tensor) and v.dim() > 0)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
-    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type`."""
-    mode, _, loss_type = mode.partition("-")
+    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type` or a
+    name of `VARIANTS`."""
+    mode, _, variant = mode.partition("-")
+    options = VARIANTS.get(variant, {"loss_type": variant or "dapo"})
+    stages = PIPELINE_STAGES.get(variant, 2) if mode == "pp" else 1
     config = equality_run_config(
         out_dir,
-        per_device_train_batch_size=4 if mode == "pp" else 8,
+        per_device_train_batch_size=8 // stages,
         num_speculative_tokens=2,
         draft_learning_rate=0.01,
-        pipeline_parallel_size=2 if mode == "pp" else 1,
+        pipeline_parallel_size=stages,
         pipeline_num_microbatches=4,
-        loss_type=loss_type or "dapo",
+        **options,
     )
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))
-    return {**record, "generated": trainer.generated}
+    return {**record, "generated": trainer.generated, "held_bytes": held_bytes(trainer)}
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 from pipeline_cases import (
     AUX_LAYER_IDS,
+    BETA,
     TEMPERATURE,
     build_draft,
     build_policy,
+    build_reference,
     grads_of,
     make_batch,
     reference_step,
@@ -44,10 +46,18 @@ def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 def run_pipeline_steps(
-    size: int, family: str, schedule: str, transport: str, num_microbatches: int, co_train: bool, dtype: torch.dtype
+    size: int,
+    family: str,
+    schedule: str,
+    transport: str,
+    num_microbatches: int,
+    co_train: bool,
+    dtype: torch.dtype,
+    with_reference: bool = False,
 ):
     """Two steps (two batch shapes) on a fresh pipeline; per step this stage's gradients and, on the last stage,
-    the losses and the draft's gradients."""
+    the losses and the draft's gradients. `with_reference`: a KL term of weight `BETA` to `build_reference`'s
+    model."""
     group = subgroup(size)
     policy = build_policy(family, dtype)
     is_last = dist.get_rank(group) == size - 1
@@ -61,6 +71,8 @@ def run_pipeline_steps(
         num_microbatches=num_microbatches,
         tap_transport=transport,
         temperature=TEMPERATURE,
+        beta=BETA if with_reference else 0.0,
+        reference_model=build_reference(family, dtype) if with_reference else None,
     )
     results = []
     for seed, shape in enumerate(BATCH_SHAPES):
@@ -130,6 +142,28 @@ def test_pipeline_without_cotraining_equals_single_process(cp_pool):
         loss, _ = reference_step(policy, None, make_batch(seed, **shape))
         assert per_rank[-1][seed]["loss"] == pytest.approx(loss.item(), rel=rtol, abs=atol)
         assert "draft_loss" not in per_rank[-1][seed]
+        reference_grads = grads_of(policy)
+        names = [name for rank in per_rank for name in rank[seed]["grads"]]
+        assert sorted(names) == sorted(reference_grads)
+        for rank in per_rank:
+            for name, grad in rank[seed]["grads"].items():
+                torch.testing.assert_close(torch.from_numpy(grad), reference_grads[name], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("size, schedule", [(2, "GPipe"), (4, "1F1B")])
+def test_pipeline_step_with_kl_to_a_reference_equals_single_process(cp_pool, size, schedule):
+    """`beta` > 0: the reference model, cut the same way, runs forward-only through the stages, and the last stage
+    adds TRL's KL term; loss and gradients equal one process's on the whole models."""
+    per_rank = cp_pool.run(run_pipeline_steps, size, "llama", schedule, "channel", 4, False, torch.float64, True)
+    per_rank = per_rank[:size]
+    rtol, atol = TOLERANCES[torch.float64]
+    for seed, shape in enumerate(BATCH_SHAPES):
+        policy = build_policy("llama", torch.float64)
+        reference = build_reference("llama", torch.float64)
+        loss, _ = reference_step(policy, None, make_batch(seed, **shape), reference=reference)
+        without_kl = reference_step(build_policy("llama", torch.float64), None, make_batch(seed, **shape))[0]
+        assert abs(loss.item() - without_kl.item()) > 1e-3  # the KL term weighs in
+        assert per_rank[-1][seed]["loss"] == pytest.approx(loss.item(), rel=rtol, abs=atol)
         reference_grads = grads_of(policy)
         names = [name for rank in per_rank for name in rank[seed]["grads"]]
         assert sorted(names) == sorted(reference_grads)

@@ -5,19 +5,26 @@ checks of the pipeline options are in tests/test_config.py."""
 from pathlib import Path
 
 import pytest
+import torch
 from cotrain_cases import (
     DRAFT_METRICS,
     assert_same_step_logs,
     assert_same_tensors,
     assert_single_run_learned,
     run_parallel_and_single,
+    snapshot,
 )
 from pp_cotrain_script import run
-from safetensors.torch import load_file
+from torchrun_launch import run_torchrun
+from transformers import AutoModelForCausalLM
+
+from hf_spec_cotrain import Eagle3DraftModel
+from hf_spec_cotrain.training.checkpoints import PIPELINE_STAGE_KINDS, pipeline_stage_file
 
 
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).with_name("pp_cotrain_script.py")
+RESUME_SCRIPT = Path(__file__).with_name("pp_resume_script.py")
 
 
 def only(tensors: dict, names) -> dict:
@@ -25,41 +32,62 @@ def only(tensors: dict, names) -> dict:
     return {name: tensors[name] for name in names}
 
 
-def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
-    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp")
-
+def assert_stages_equal_the_single_process(pp: list[dict], single: dict, saved_policy: Path) -> None:
+    """What every pipelined trainer run must reproduce of the single process's steps."""
     assert_single_run_learned(pp, single)
-    # Each stage holds its slice of the policy (layers 0-3 with the embedding, 4-7 with the norm and the head),
+    # Each stage holds its slice of the policy (the first with the embedding, the last with the norm and the head),
     # with the gradients and the update of the whole model's step.
     stage_names = [set(record["policy_params"]) for record in pp]
-    assert not stage_names[0] & stage_names[1] and stage_names[0] | stage_names[1] == set(single["policy_params"])
-    assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[1]
+    assert sum(map(len, stage_names)) == len(set().union(*stage_names)) == len(single["policy_params"])
+    assert set().union(*stage_names) == set(single["policy_params"])
+    assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[-1]
     for record, names in zip(pp, stage_names):
         rank = record["rank"]
         grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
         assert_same_tensors(record["policy_grads"], grads, f"rank {rank} policy grad", relative_to_max=True)
         assert_same_tensors(record["policy_params"], params, f"rank {rank} policy", relative_to_max=False)
     # The draft trains on the last stage only.
-    assert not pp[0]["draft_grads"]
-    assert_same_tensors(pp[1]["draft_grads"], single["draft_grads"], "draft grad", relative_to_max=True)
-    assert_same_tensors(pp[1]["draft_params"], single["draft_params"], "draft", relative_to_max=False)
+    assert not any(record["draft_grads"] for record in pp[:-1])
+    assert_same_tensors(pp[-1]["draft_grads"], single["draft_grads"], "draft grad", relative_to_max=True)
+    assert_same_tensors(pp[-1]["draft_params"], single["draft_params"], "draft", relative_to_max=False)
 
     # The last stage generated every rollout through the stages, with the draft it trains: from the same weights
     # (before any update) and the same random numbers, the completions of the single process.
-    assert not pp[0]["generated"] and len(pp[1]["generated"]) == len(single["generated"]) == 2
-    assert pp[1]["generated"][0] == single["generated"][0]
-    # `save_model` writes the full policy from rank 0, the stages streamed to it.
-    saved = load_file(tmp_path / "pp" / "final" / "model.safetensors")
-    assert_same_tensors(saved, single["policy_params"], "saved policy", relative_to_max=False)
+    assert not any(record["generated"] for record in pp[:-1])
+    assert len(pp[-1]["generated"]) == len(single["generated"]) == 2
+    assert pp[-1]["generated"][0] == single["generated"][0]
+    # `save_model` writes each stage's shard of the policy: together one HF sharded checkpoint of the whole policy.
+    saved = AutoModelForCausalLM.from_pretrained(saved_policy)
+    assert_same_tensors(snapshot(saved), single["policy_params"], "saved policy", relative_to_max=False)
 
     # Every step logged the policy loss, its gradient norm over all stages and the draft's metrics, equal to
     # the single process's, and the speculative rollouts' metrics of the last stage, on every rank.
     for record in pp:
         assert_same_step_logs(record, single, [*DRAFT_METRICS, "loss", "grad_norm"])
         assert all(entry["spec/acceptance_length"] >= 1 for entry in record["step_logs"])
-    assert [entry["spec/acceptance_length"] for entry in pp[0]["step_logs"]] == [
-        entry["spec/acceptance_length"] for entry in pp[1]["step_logs"]
-    ]
+    for record in pp[:-1]:
+        assert [entry["spec/acceptance_length"] for entry in record["step_logs"]] == [
+            entry["spec/acceptance_length"] for entry in pp[-1]["step_logs"]
+        ]
+
+
+def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp")
+    assert_stages_equal_the_single_process(pp, single, tmp_path / "pp" / "final")
+
+
+@pytest.mark.slow
+def test_four_pipeline_stages_equal_the_single_process_and_each_holds_its_share(tmp_path, tiny_policy_dir):
+    """4 stages of 2 layers each. Memory: each rank holds at most 1/4 + 0.15 of the single process's policy
+    parameters and optimizer state (bytes of the tensors' storages after training, a size fixed from the first
+    optimizer step on; not the RSS, which counts the libraries and the activations of the moment). Not counted:
+    the full policy every rank loads before the step cuts it."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="4stages", nproc=4)
+    assert_stages_equal_the_single_process(pp, single, tmp_path / "pp-4stages" / "final")
+    whole = single["held_bytes"]
+    assert whole == 2 * 4 * sum(p.numel() for p in single["policy_params"].values())  # float32 parameters, momenta
+    for record in pp:
+        assert record["held_bytes"] <= (1 / 4 + 0.15) * whole, (record["rank"], record["held_bytes"], whole)
 
 
 # bnpo equals dapo in these steps (one generation batch per step, no accumulation): its whole-batch normaliser is
@@ -78,3 +106,50 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps_for_each_loss_ty
         assert_same_tensors(record["policy_grads"], grads, f"{loss_type} policy grad", relative_to_max=True)
         assert_same_tensors(record["policy_params"], params, f"{loss_type} policy", relative_to_max=False)
         assert_same_step_logs(record, single, ["loss", "grad_norm"])
+
+
+def test_pipeline_parallel_steps_with_a_kl_term_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """`beta` > 0: TRL's reference model is cut into the same stages and synced by TRL's callback; the stages compute
+    its log-probs in the step and the last stage adds the KL term, as one process's `_compute_loss` does."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="beta")
+    assert_single_run_learned(pp, single)
+    assert single["step_logs"][1]["kl"] > 1e-6  # the second step's KL term weighs in
+    for record in pp:
+        names = set(record["policy_params"])
+        grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
+        assert_same_tensors(record["policy_grads"], grads, "beta policy grad", relative_to_max=True)
+        assert_same_tensors(record["policy_params"], params, "beta policy", relative_to_max=False)
+        assert_same_step_logs(record, single, ["loss", "grad_norm"])
+
+
+def test_pipeline_parallel_resume_equals_the_uninterrupted_run(tmp_path, tiny_policy_dir):
+    """Each stage checkpoints its own shard of the policy, optimizer and scheduler, the last stage the draft and its
+    optimizer; a run resumed from the checkpoint takes the same third step as the uninterrupted run."""
+    out_dir = tmp_path / "resume"
+    run_torchrun(RESUME_SCRIPT, tiny_policy_dir, out_dir, "pp", log=tmp_path / "resume.log")
+    records = [torch.load(out_dir / f"pp{rank}.pt", weights_only=False) for rank in range(2)]
+
+    checkpoint = out_dir / "uninterrupted" / "checkpoint-2"
+    for stage in range(2):
+        for kind in PIPELINE_STAGE_KINDS:
+            assert (checkpoint / pipeline_stage_file(kind, stage, 2)).is_file(), (kind, stage)
+    assert not (checkpoint / "model.safetensors").exists()  # no rank wrote the whole policy
+    # The stages' shards are one HF sharded checkpoint of the policy; the draft is the last stage's.
+    saved = snapshot(AutoModelForCausalLM.from_pretrained(checkpoint))
+    at_checkpoint = {**records[0]["at_checkpoint"]["policy"], **records[1]["at_checkpoint"]["policy"]}
+    assert_same_tensors(saved, at_checkpoint, "checkpointed policy", relative_to_max=False)
+    saved_draft = snapshot(Eagle3DraftModel.from_pretrained(checkpoint / "draft"))
+    assert_same_tensors(saved_draft, records[1]["at_checkpoint"]["draft"], "checkpointed draft", relative_to_max=False)
+
+    for record in records:
+        uninterrupted, resumed = record["uninterrupted"], record["resumed"]
+        assert any(not torch.equal(p, record["at_checkpoint"]["policy"][n]) for n, p in resumed["policy"].items())
+        torch.testing.assert_close(resumed["policy"], uninterrupted["policy"], rtol=0, atol=0)
+        torch.testing.assert_close(resumed["optimizer"], uninterrupted["optimizer"], rtol=0, atol=0)
+    last = records[1]
+    assert last["uninterrupted"]["draft_optimizer"]["state"]  # the last stage's draft optimizer has moments
+    assert any(not torch.equal(p, last["at_checkpoint"]["draft"][n]) for n, p in last["resumed"]["draft"].items())
+    torch.testing.assert_close(last["resumed"]["draft"], last["uninterrupted"]["draft"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        last["resumed"]["draft_optimizer"], last["uninterrupted"]["draft_optimizer"], rtol=0, atol=0
+    )
