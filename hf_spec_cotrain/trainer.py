@@ -171,7 +171,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     def _policy(self):
         """The policy as a HF causal LM (PEFT and DDP wrappers removed)."""
-        model = self.accelerator.unwrap_model(self.model)
+        return self.unwrapped(self.model)
+
+    def unwrapped(self, model):
+        """`model` (the policy or the reference model) as a HF causal LM, PEFT and DDP wrappers removed."""
+        model = self.accelerator.unwrap_model(model)
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def _build_draft(self, draft_model: Eagle3DraftModel | None) -> Eagle3DraftModel:
@@ -273,6 +277,22 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if isinstance(self.parallel_step, PipelineParallelStep) and model is self.ref_model:
             # The reference is cut into stages: they compute its log-probs in the training step (`beta` > 0).
             return None, None, None
+        if isinstance(self.parallel_step, ContextParallelStep):  # scoring rollouts (old policy, reference), evaluation
+            multimodal = sorted(key for key, value in kwargs.items() if value is not None)
+            if compute_aux_loss or multimodal:
+                raise ValueError(
+                    f"Context parallelism scores text-only rows without the MoE auxiliary loss; got {multimodal} "
+                    f"(compute_aux_loss={compute_aux_loss})."
+                )
+            logps, entropies = self.parallel_step.score_log_probs(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+            )
+            return logps, entropies, None
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs
         )

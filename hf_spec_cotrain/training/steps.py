@@ -116,21 +116,68 @@ class ContextParallelStep(TrainingStepStrategy):
     def pack(self, inputs: dict) -> PackedRows:
         """This rank's zigzag shard of one member's rows, packed as documents."""
         completion_mask = inputs["completion_mask"]
-        return pack_rows(
+        return self.pack_rows(
             inputs["prompt_ids"],
             inputs["prompt_mask"],
             inputs["completion_ids"],
             completion_mask,
+            completion_loss_mask=completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask,
+        )
+
+    def pack_rows(self, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs) -> PackedRows:
+        """`pack_rows` for this rank of the group."""
+        return pack_rows(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
             rank=dist.get_rank(self.group),
             world_size=dist.get_world_size(self.group),
             pad_token_id=self.trainer._tokenizer.pad_token_id,
-            completion_loss_mask=completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask,
+            **kwargs,
         )
 
     def record_taps(self, taps) -> None:
         """The draft trains on the taps of this shard of the packed rows."""
         rows = self.rows
         self.trainer.draft_cotrainer.record(RecordedTaps(taps, None, rows.loss_mask, rows.cu_seqlens))
+
+    def score_log_probs(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        *,
+        batch_size: int | None,
+        compute_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of this rank's rows outside the training step, sharded like it: TRL's scoring
+        passes (the old policy, the reference model; `model` is either) and the evaluation loss.
+
+        The group gathers its members' token ids and masks (small), then runs each member's rows, `batch_size` rows
+        at a time as TRL chunks them, as zigzag shards of packed documents through `model` with the ring attention;
+        a rank keeps the `[B, C]` log-probs of its own rows. No rank ever holds a whole sequence's activations.
+        """
+        members = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(members, (input_ids.cpu(), attention_mask.cpu(), logits_to_keep), group=self.group)
+        own = dist.get_rank(self.group)
+        device = input_ids.device
+        logps, entropies = [], []
+        with zigzag_ring_attention(self.trainer.unwrapped(model)), self.trainer.accelerator.autocast():
+            for member, (ids, mask, keep) in enumerate(members):
+                ids, mask = ids.to(device), mask.to(device)
+                chunk = batch_size or len(ids)
+                for start in range(0, len(ids), chunk):
+                    rows = slice(start, start + chunk)
+                    packed = self.pack_rows(
+                        ids[rows, :-keep], mask[rows, :-keep], ids[rows, -keep:], mask[rows, -keep:]
+                    )
+                    chunk_logps, chunk_entropies = policy_log_probs(model, packed, group=self.group)
+                    if member == own:
+                        logps.append(chunk_logps)
+                        entropies.append(chunk_entropies)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
 
     def log_probs(self, model, *, compute_entropy: bool, compute_aux_loss: bool):
         """The GRPO forward's log-probs (and entropies) of the member being trained on, in TRL's `[B, C]` layout."""

@@ -32,34 +32,39 @@ def test_context_parallel_steps_equal_the_single_process_steps(tmp_path, family,
     policy_dir = save_tiny_policy(tmp_path / "policy", family=family, **options)
     cp, single = run_parallel_and_single(SCRIPT, run, policy_dir, tmp_path, "cp")
 
+    assert_equal_runs(cp, single, ["loss", "entropy"], loosen=loosen)
+
+
+def test_scoring_passes_run_sharded_and_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """`beta > 0` and `num_iterations > 1`: the reference model's and the old policy's log-prob passes run on zigzag
+    shards of packed rows (batch 1, never a whole row) and give the single process's KL, loss and updates."""
+    cp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "cp", variant="kl")
+
+    assert_equal_runs(cp, single, ["loss", "entropy", "kl"], loosen=1.0)
+    assert single["step_logs"][1]["kl"] > 0  # the second step's policy has moved from the reference
+    for record in cp:
+        no_grad = [shape for grad, shape in record["policy_shapes"] if not grad]
+        assert no_grad and record["reference_shapes"]  # the old policy's and the reference's passes ran...
+        for shape in [*no_grad, *(shape for _, shape in record["reference_shapes"])]:
+            assert shape[0] == 1, f"rank {record['rank']}: a scoring pass saw {shape}, not a shard of packed rows"
+    assert {shape[0] for _, shape in single["reference_shapes"]} == {8}  # ...where one process scores its 8 rows
+
+
+def assert_equal_runs(cp: list[dict], single: dict, logged: list[str], *, loosen: float) -> None:
+    """Each rank's gradients and parameters after the steps, and its logged metrics, equal the single process's."""
     assert_single_run_learned(cp, single)
     for record in cp:
         rank = record["rank"]
-        # DDP's average of the shards' gradients is the gradient of one process over all 8 rows, and so is the
-        # draft's after the draft co-trainer's average over the world.
-        assert_same_tensors(
-            record["policy_grads"],
-            single["policy_grads"],
-            f"rank {rank} policy grad",
-            relative_to_max=True,
-            loosen=loosen,
-        )
-        assert_same_tensors(
-            record["draft_grads"],
-            single["draft_grads"],
-            f"rank {rank} draft grad",
-            relative_to_max=True,
-            loosen=loosen,
-        )
-        assert_same_tensors(
-            record["policy_params"],
-            single["policy_params"],
-            f"rank {rank} policy",
-            relative_to_max=False,
-            loosen=loosen,
-        )
-        assert_same_tensors(
-            record["draft_params"], single["draft_params"], f"rank {rank} draft", relative_to_max=False, loosen=loosen
-        )
-        # Every step logged the draft's metrics and the policy loss, equal to the single process's.
-        assert_same_step_logs(record, single, [*DRAFT_METRICS, "loss", "entropy"])
+        # DDP's (or FSDP2's) average of the shards' gradients is the gradient of one process over all the rows, and so
+        # is the draft's after the draft co-trainer's average over the world.
+        for kind, relative_to_max in (("grads", True), ("params", False)):
+            for model in ("policy", "draft"):
+                assert_same_tensors(
+                    record[f"{model}_{kind}"],
+                    single[f"{model}_{kind}"],
+                    f"rank {rank} {model} {kind}",
+                    relative_to_max=relative_to_max,
+                    loosen=loosen,
+                )
+        # Every step logged the draft's metrics and the policy's, equal to the single process's.
+        assert_same_step_logs(record, single, [*DRAFT_METRICS, *logged])
