@@ -1,9 +1,12 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
 import copy
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 
+import torch
+from accelerate.parallelism_config import ParallelismConfig
 from trl import GRPOConfig
 
 from .generation import DRAFT_SAMPLING_METHODS
@@ -119,8 +122,12 @@ class SpecCoTrainConfig(GRPOConfig):
             Ranks per context-parallel group (consecutive ranks). Each rank still generates its own rollouts; in
             the training step the group runs the policy's GRPO forward and backward, and the draft's TTT, on each
             member's micro-batch in turn, packed as documents and zigzag-sharded across the group (ring attention),
-            so that a rank holds `1 / context_parallel_size` of each sequence's activations. Gradients equal those
-            of plain data parallelism over the same ranks. The world size must be a multiple of it.
+            so that a rank holds `1 / context_parallel_size` of each sequence's activations; the old policy's and
+            the reference model's log-prob passes run sharded the same way. Gradients equal those of plain data
+            parallelism over the same ranks. The world size must be a multiple of it. The ranks form a 2-D mesh,
+            data parallel x context parallel: DDP replicas, or with FSDP2 the policy sharded over every rank. An
+            accelerate `ParallelismConfig` (given as `parallelism_config`, or in the accelerate config file) with
+            `cp_size` > 1 sets it instead; its `dp_shard_size` > 1 turns FSDP2 on.
 
         > Parameters that control pipeline parallelism
 
@@ -226,8 +233,10 @@ class SpecCoTrainConfig(GRPOConfig):
     context_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "Ranks per context-parallel group: the policy's training forward/backward and the draft's TTT "
-            "run on sequences zigzag-sharded across the group (ring attention). Must divide the world size."
+            "help": "Ranks per context-parallel group: every policy forward of the step (training, old policy, "
+            "reference) and the draft's TTT run on sequences zigzag-sharded across the group (ring attention). Must "
+            "divide the world size. A `parallelism_config` with `cp_size` > 1 sets it (and FSDP2 for `dp_shard_size` "
+            "> 1)."
         },
     )
     pipeline_parallel_size: int = field(
@@ -249,6 +258,7 @@ class SpecCoTrainConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._take_context_parallel_size()
         super().__post_init__()
         if isinstance(self.num_speculative_tokens, str) and self.num_speculative_tokens.strip().isdigit():
             self.num_speculative_tokens = int(self.num_speculative_tokens)  # from the command line
@@ -325,6 +335,41 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`speculative_decoding=False`."
             )
         ParallelDims.from_config(self)
+
+    def _take_context_parallel_size(self) -> None:
+        """Read the context-parallel size from accelerate's `ParallelismConfig`: the one given, or the accelerate
+        config file's (`accelerate launch` passes it in the environment).
+
+        The package's zigzag ring is the context parallelism (accelerate's own is CUDA-only SDPA, with no mask for the
+        draft's branches, and TRL refuses it), so `cp_size` becomes `context_parallel_size`; `dp_shard_size` > 1 asks
+        for FSDP2 (`fsdp`), which shards the policy over all `dp_shard_size * cp_size` ranks as accelerate's
+        `dp_shard_cp` axis would. accelerate gets that mesh without its context parallelism, or on CPU, where it
+        accepts no parallelism config (and drops FSDP: the trainer then shards the policy itself), none.
+        """
+        parallelism = self.parallelism_config
+        if parallelism is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+            parallelism = ParallelismConfig()  # the launcher's sizes, from the environment
+        if parallelism is None or not parallelism.cp_enabled:
+            return
+        if self.context_parallel_size not in (1, parallelism.cp_size):
+            raise ValueError(
+                f"`context_parallel_size`={self.context_parallel_size} contradicts the parallelism config's "
+                f"`cp_size`={parallelism.cp_size}: set one of them (or both to the same value)."
+            )
+        if parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1:
+            raise ValueError(
+                f"The parallelism config's `cp_size`={parallelism.cp_size} cannot be combined with `dp_replicate_size`"
+                f"={parallelism.dp_replicate_size} or `tp_size`={parallelism.tp_size}: context parallelism runs on a "
+                "2-D mesh, data parallel (DDP, or FSDP2 with `dp_shard_size` = world size / `cp_size`) x context "
+                "parallel. Set both to 1."
+            )
+        self.context_parallel_size = parallelism.cp_size
+        if parallelism.dp_shard_enabled and not self.fsdp:
+            self.fsdp = True
+            self.fsdp_config = {"fsdp_version": 2, **(self.fsdp_config or {})}
+        on_cpu = self.use_cpu or not torch.accelerator.is_available()
+        shard_size = parallelism.dp_shard_size * parallelism.cp_size
+        self.parallelism_config = None if on_cpu else ParallelismConfig(dp_shard_size=shard_size)
 
     def _masked_secrets(self) -> dict[str, str]:
         return {name: f"<{name.upper()}>" for name in _SECRET_FIELDS if getattr(self, name, None) is not None}

@@ -37,6 +37,7 @@ from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
 from .hub import push_draft_folder, render_draft_card
 from .parallel.dims import ParallelDims
+from .parallel.fsdp import apply_fsdp2
 from .taps import TapRecorder
 from .training.checkpoints import (
     DRAFT_FOLDER,
@@ -95,6 +96,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             world_size=self.accelerator.num_processes,
             deepspeed=self.is_deepspeed_enabled,
             fsdp=self.is_fsdp_enabled,
+            fsdp_version=(2 if self.accelerator.is_fsdp2 else 1) if self.is_fsdp_enabled else None,
             peft=is_peft_model(self.accelerator.unwrap_model(self.model)),
             tools=bool(self.tools),
         )
@@ -150,9 +152,20 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 raise
         self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
         if self.parallel_dims.cp_enabled:
-            self.parallel_step = ContextParallelStep(self, self.parallel_dims.build_context_parallel_group())
+            mesh = self.parallel_dims.build_mesh(self.accelerator.device.type)
+            if self.parallel_dims.fsdp and not self.is_fsdp_enabled:
+                self._shard_with_fsdp2(mesh["dp_shard_cp"])
+            self.parallel_step = ContextParallelStep(self, mesh["cp"].get_group())
         elif self.parallel_dims.pp_enabled:
             self.parallel_step = PipelineParallelStep(self)
+
+    def _shard_with_fsdp2(self, mesh) -> None:
+        """FSDP2 of the policy (and of the reference model) over `mesh` where accelerate dropped FSDP (on CPU);
+        accelerate then leaves the sharded policy as it is, rather than wrapping it in DDP."""
+        apply_fsdp2(self._policy(), mesh)
+        self.model._is_accelerate_prepared = True
+        if self.ref_model is not None:
+            apply_fsdp2(self.unwrapped(self.ref_model), mesh)
 
     @property
     def draft_optimizer(self) -> torch.optim.Optimizer:

@@ -12,7 +12,7 @@ from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, sav
 def test_sizes_default_to_plain_data_parallelism():
     dims = ParallelDims(world_size=4)
     assert (dims.cp_enabled, dims.pp_enabled, dims.dp) == (False, False, 4)
-    assert ParallelDims().build_context_parallel_group() is None  # no group needed, no process group touched
+    assert ParallelDims().build_mesh("cpu") is None  # no group needed, no process group touched
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_world_size_checks():
     with pytest.raises(ValueError, match="needs the world size"):
         _ = ParallelDims(context_parallel_size=2).dp
     with pytest.raises(ValueError, match="needs the world size"):
-        ParallelDims(context_parallel_size=2).build_context_parallel_group()
+        ParallelDims(context_parallel_size=2).build_mesh("cpu")
 
 
 def _config(tmp_path, **overrides):
@@ -64,9 +64,14 @@ def test_from_config_adds_the_run_time_facts(tmp_path):
     assert ParallelDims.from_config(cp, world_size=4).dp == 2
     with pytest.raises(ValueError, match=r"must divide the world size \(3 processes\)"):
         ParallelDims.from_config(cp, world_size=3)
-    for fact in ("deepspeed", "fsdp"):
-        with pytest.raises(ValueError, match=rf"`context_parallel_size`=2 cannot be combined with \['{fact}'\]"):
-            ParallelDims.from_config(cp, world_size=2, **{fact: True})
+    with pytest.raises(ValueError, match=r"`context_parallel_size`=2 cannot be combined with \['deepspeed'\]"):
+        ParallelDims.from_config(cp, world_size=2, deepspeed=True)
+    # FSDP2 composes with context parallelism on a 2-D mesh; FSDP1 does not.
+    assert ParallelDims.from_config(cp, world_size=4, fsdp=True, fsdp_version=2).fsdp
+    assert ParallelDims.from_config(cp, world_size=4, fsdp=True, fsdp_version=2).mesh_axis_names == ("dp_shard", "cp")
+    assert ParallelDims.from_config(cp, world_size=4).mesh_axis_names == ("dp_replicate", "cp")
+    with pytest.raises(ValueError, match=r"cannot be combined with \['fsdp_version=1'\]"):
+        ParallelDims.from_config(cp, world_size=2, fsdp=True, fsdp_version=1)
 
     pp = _config(tmp_path, pipeline_parallel_size=2)
     assert ParallelDims.from_config(pp, world_size=2).dp == 1
@@ -80,6 +85,33 @@ def test_from_config_adds_the_run_time_facts(tmp_path):
         ParallelDims.from_config(pp, world_size=2, tools=True)
     # Facts that only matter to a parallelism the run does not use are not errors.
     assert ParallelDims.from_config(_config(tmp_path), world_size=3, peft=True, tools=True, fsdp=True).dp == 3
+
+
+def test_context_parallel_sizes_come_from_accelerates_parallelism_config(tmp_path, monkeypatch):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    config = _config(tmp_path, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))
+    # The ring is the context parallelism; the shard axis asks for FSDP2, which accelerate drops on CPU (and refuses
+    # any parallelism config there): the trainer shards the policy itself.
+    assert (config.context_parallel_size, config.fsdp, config.parallelism_config) == (2, True, None)
+    assert config.fsdp_config["version"] == 2
+    dims = ParallelDims.from_config(config, world_size=4)
+    assert (dims.fsdp, dims.dp) == (True, 2)
+    with pytest.raises(ValueError, match=r"must divide the world size \(3 processes\)"):
+        ParallelDims.from_config(config, world_size=3)
+    # A DDP x CP mesh, and the accelerate config file's sizes (`accelerate launch` exports them).
+    assert _config(tmp_path, parallelism_config=ParallelismConfig(cp_size=2)).fsdp is None
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "4")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    assert (_config(tmp_path).context_parallel_size, _config(tmp_path).fsdp) == (4, True)
+    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG")
+
+    with pytest.raises(ValueError, match="`context_parallel_size`=4 contradicts the parallelism config's `cp_size`=2"):
+        _config(tmp_path, context_parallel_size=4, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2))
+    for bad in ({"dp_replicate_size": 2}, {"tp_size": 2}):
+        with pytest.raises(ValueError, match="cannot be combined with `dp_replicate_size`"):
+            _config(tmp_path, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2, **bad))
 
 
 CP, PP = ParallelDims(context_parallel_size=2), ParallelDims(pipeline_parallel_size=2)

@@ -1,8 +1,9 @@
 """Parallelism, the base layer that `attention/` and the training step build on: context parallelism on the zigzag
 layout (docs/design.md section 5) and the pipeline stages with taps sent to the draft's stage (section 6).
 
-`ParallelDims` holds a run's context- and pipeline-parallel sizes, checked once, and builds the context-parallel
-groups.
+`ParallelDims` holds a run's context- and pipeline-parallel sizes, checked once, and builds the 2-D device mesh
+(data parallel x context parallel) of a context-parallel run; `apply_fsdp2` shards a policy over it where accelerate
+does not (on CPU).
 
 `zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout; `ZigzagHalo`
 shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's rows as zigzag-sharded documents;

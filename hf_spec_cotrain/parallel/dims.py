@@ -1,7 +1,11 @@
 """`ParallelDims`: how a run splits its ranks, validated in one place and passed around as one object.
 
 Context parallelism shards each sequence over groups of consecutive ranks; pipeline parallelism cuts the policy
-into one stage per rank of the world; what is left over is data parallelism. The two are exclusive. The sizes are
+into one stage per rank of the world; what is left over is data parallelism. The two are exclusive. Under context
+parallelism the ranks form a 2-D device mesh, data parallel x context parallel (`build_mesh`): the data-parallel axis
+holds DDP replicas, or with FSDP2 the shard axis (accelerate's `dp_shard`; the policy is then sharded over the whole
+mesh, accelerate's and torchtitan's `dp_shard_cp`, since the ranks of a context-parallel group hold the same
+parameters), and the ring runs along the context-parallel axis. The sizes are
 checked against each other and, once the world size is known, against it; `from_config` also checks the options
 of a run that those parallelisms cannot honour, so that the config (at construction) and the trainer (at start,
 with the facts only it knows) reject the same things with the same messages.
@@ -9,7 +13,7 @@ with the facts only it knows) reject the same things with the same messages.
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .pipeline import GRPO_LOSS_TYPES, MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
@@ -26,11 +30,13 @@ class ParallelDims:
         context_parallel_size: ranks per context-parallel group (consecutive ranks); must divide the world size.
         pipeline_parallel_size: pipeline stages, one rank each; must equal the world size.
         world_size: the number of processes; None skips the checks against it (a config on its own).
+        fsdp: the policy is sharded with FSDP2 (over every rank of the mesh) rather than replicated (DDP).
     """
 
     context_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     world_size: int | None = None
+    fsdp: bool = False
 
     def __post_init__(self):
         cp = check_int(self.context_parallel_size, "context_parallel_size")
@@ -64,8 +70,15 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """The data-parallel degree: how many model replicas see rows of their own (1 under pipeline parallelism)."""
+        """The data-parallel degree: how many model replicas (or FSDP2 shard groups) see rows of their own (1 under
+        pipeline parallelism)."""
         return self._known_world_size("dp") // (self.context_parallel_size * self.pipeline_parallel_size)
+
+    @property
+    def mesh_axis_names(self) -> tuple[str, str]:
+        """The axes of `build_mesh`: data parallel (accelerate's names: "dp_shard" under FSDP2, else "dp_replicate"),
+        then "cp"."""
+        return ("dp_shard" if self.fsdp else "dp_replicate", "cp")
 
     @classmethod
     def from_config(
@@ -75,18 +88,21 @@ class ParallelDims:
         world_size: int | None = None,
         deepspeed: bool = False,
         fsdp: bool = False,
+        fsdp_version: int | None = None,
         peft: bool = False,
         tools: bool = False,
     ) -> "ParallelDims":
         """The dims of a `SpecCoTrainConfig` (read by attribute), once its options are checked against them.
 
         Without `world_size` (the config on its own) only the options are checked. The trainer passes the world
-        size and what it knows at run time: DeepSpeed or FSDP enabled (by the config or by accelerate's), a PEFT
-        policy, tool calls.
+        size and what it knows at run time: DeepSpeed or FSDP enabled (by the config or by accelerate's) and
+        accelerate's FSDP version, a PEFT policy, tool calls. FSDP is also on when the config asks for it (`fsdp`, or a
+        `parallelism_config` that shards), even where accelerate dropped it (on CPU).
         """
-        dims = cls(config.context_parallel_size, config.pipeline_parallel_size, world_size)
+        fsdp = fsdp or bool(config.fsdp) or _fsdp_shards(config.parallelism_config)
+        dims = cls(config.context_parallel_size, config.pipeline_parallel_size, world_size, fsdp=fsdp)
         if dims.cp_enabled:
-            _check_context_parallel_options(config, deepspeed=deepspeed, fsdp=fsdp)
+            _check_context_parallel_options(config, deepspeed=deepspeed, fsdp_version=fsdp_version)
         if dims.pp_enabled:
             _check_pipeline_parallel_options(config, deepspeed=deepspeed, fsdp=fsdp, peft=peft, tools=tools)
         if config.draft_train_fraction < 1 and (dims.cp_enabled or dims.pp_enabled):
@@ -134,21 +150,23 @@ class ParallelDims:
                 f"train it with `pipeline_parallel_size=1` (data parallelism){no_aux_loss}.",
             )
 
-    def build_context_parallel_group(self) -> dist.ProcessGroup | None:
-        """This rank's group of `context_parallel_size` consecutive ranks; None without context parallelism.
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The 2-D mesh (`dp`, `cp`) of a context-parallel run, `mesh_axis_names`; None without context parallelism.
 
-        Creating a group is collective over the world: every rank creates every group, in the same order, and keeps
-        its own. (The pipeline's group is the world itself.)
+        A context-parallel group is the `cp` axis: `context_parallel_size` consecutive ranks. Under FSDP2 the mesh also
+        has the flattened axis "dp_shard_cp" (every rank), which the policy is sharded over. Collective over the world.
         """
         if not self.cp_enabled:
             return None
-        world_size = self._known_world_size("build_context_parallel_group")
-        size, rank, own = self.context_parallel_size, dist.get_rank(), None
-        for start in range(0, world_size, size):
-            group = dist.new_group(list(range(start, start + size)))
-            if start <= rank < start + size:
-                own = group
-        return own
+        world_size = self._known_world_size("build_mesh")
+        mesh = init_device_mesh(
+            device_type,
+            (world_size // self.context_parallel_size, self.context_parallel_size),
+            mesh_dim_names=self.mesh_axis_names,
+        )
+        if self.fsdp:
+            mesh[self.mesh_axis_names]._flatten("dp_shard_cp")
+        return mesh
 
     def _known_world_size(self, needed_by: str) -> int:
         if self.world_size is None:
@@ -181,18 +199,28 @@ def _refuse_policy(setting: str, family: str, reasons: dict[str, bool], instead:
         raise ValueError(f"{setting} cannot train this {family} policy: {'; '.join(holding)}. Instead, {instead}")
 
 
-def _check_context_parallel_options(config, *, deepspeed: bool, fsdp: bool) -> None:
+def _fsdp_shards(parallelism_config) -> bool:
+    """Whether accelerate's `ParallelismConfig` (if any) shards the model over a data-parallel axis."""
+    return parallelism_config is not None and parallelism_config.dp_shard_size > 1
+
+
+def _check_context_parallel_options(config, *, deepspeed: bool, fsdp_version: int | None) -> None:
     """Options that the context-parallel training step cannot honour."""
+    if fsdp_version is None and config.fsdp:
+        fsdp_version = (config.fsdp_config or {}).get("version", 1)  # transformers' default FSDP is version 1
+    parallelism = config.parallelism_config
     incompatible = {
         "use_liger_kernel": config.use_liger_kernel,  # its GRPO loss reads unsharded hidden states
         "deepspeed": deepspeed or config.deepspeed,
-        "fsdp": fsdp or config.fsdp,
+        f"fsdp_version={fsdp_version}": fsdp_version not in (None, 2),
+        "parallelism_config.dp_replicate_size > 1": parallelism is not None and parallelism.dp_replicate_size > 1,
+        "parallelism_config.tp_size > 1": parallelism is not None and parallelism.tp_size > 1,
     }
     _refuse(
         f"`context_parallel_size`={config.context_parallel_size}",
         incompatible,
-        "context parallelism runs on DDP (or a single process per group) with the plain GRPO loss. Unset them or set "
-        "`context_parallel_size=1`.",
+        "context parallelism runs with the plain GRPO loss on a 2-D mesh, data parallel (DDP, or FSDP2 over every "
+        "rank) x context parallel. Unset them, use FSDP version 2, or set `context_parallel_size=1`.",
     )
 
 

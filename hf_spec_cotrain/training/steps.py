@@ -79,8 +79,9 @@ class ContextParallelStep(TrainingStepStrategy):
     forward and backward on its zigzag shard of the packed rows (ring attention in the policy's layers,
     `policy_log_probs`), then the draft's TTT on the taps of that forward (`ttt_loss(..., cp_group=...)`). A rank
     thus holds ``1 / context_parallel_size`` of one micro-batch's activations at a time. Each rank's policy and draft
-    gradients are its positions' share of every member's loss, so the average over the world (DDP for the policy,
-    `DraftCoTrainer.update` for the draft) equals data parallelism's gradient over the same rows.
+    gradients are its positions' share of every member's loss, so the average over the world (DDP's, or FSDP2's
+    reduce-scatter over every rank, for the policy; `DraftCoTrainer.update` for the replicated draft) equals data
+    parallelism's gradient over the same rows.
     """
 
     name = "Context parallelism"

@@ -86,13 +86,13 @@ def equality_run_config(out_dir: str, *, per_device_train_batch_size: int, **opt
     return SpecCoTrainConfig(output_dir=out_dir, **{**defaults, **options})
 
 
-def equality_trainer(trainer_class, policy_dir: str, config: SpecCoTrainConfig):
-    """`trainer_class` (a `SpecCoTrainGRPOTrainer` with fixed rollouts) on `PROMPTS`, rewarded by `reward`."""
+def equality_trainer(trainer_class, policy_dir: str, config: SpecCoTrainConfig, *, prompts: list[str] = PROMPTS):
+    """`trainer_class` (a `SpecCoTrainGRPOTrainer` with fixed rollouts) on `prompts`, rewarded by `reward`."""
     return trainer_class(
         model=policy_dir,
         reward_funcs=reward,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=build_char_tokenizer(),
     )
 
@@ -100,9 +100,15 @@ def equality_trainer(trainer_class, policy_dir: str, config: SpecCoTrainConfig):
 # --- Recorders ---------------------------------------------------------------------------------------------------
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of `tensor`, gathered whole when FSDP2 shards it (a DTensor; collective over its mesh)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
+
+
 def snapshot(model) -> dict[str, torch.Tensor]:
-    """A copy of every parameter of `model`, by name."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    """A copy of every parameter of `model`, by name (whole, when FSDP2 shards it)."""
+    return {name: full(p) for name, p in model.named_parameters()}
 
 
 class GradientRecorder(TrainerCallback):
@@ -117,7 +123,7 @@ class GradientRecorder(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        self.policy_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        self.policy_grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
     def _record_draft(self, optimizer, args, kwargs):
         draft = self.trainer.draft

@@ -1,14 +1,16 @@
-"""Run by tests/distributed/test_trainer_cp.py: two GRPO steps with co-training, either under
-`torchrun --nproc_per_node 2` with `context_parallel_size=2` ("cp") or in one plain process on the same 8 rows
-("single"); records what `cotrain_cases.record_training` records (see cotrain_cases.py for the runs), and the input
-shape of every forward of the policy and of the reference model.
+"""Run by tests/distributed/test_trainer_cp.py: two GRPO steps with co-training, either under torchrun with context
+parallelism or in one plain process on the same rows ("single"); records what `cotrain_cases.record_training` records
+(see cotrain_cases.py for the runs), and the input shape of every forward of the policy and of the reference model.
 
-A mode may end in "-kl": `beta=0.1` (a reference model) and `num_iterations=2` (the second step reuses the first
-step's rollouts, weighted by the old policy's log-probs), so that both scoring passes run.
+Modes: "cp" (2 processes, `context_parallel_size=2`, DDP) or "single", on 8 rows; then optionally "-kl": `beta=0.1` (a
+reference model) and `num_iterations=2` (the second step reuses the first step's rollouts, weighted by the old
+policy's log-probs), so that both scoring passes run; or "-fsdp": 16 rows of 4 prompts, and "cp-fsdp" runs 4
+processes under accelerate's `ParallelismConfig(dp_shard_size=2, cp_size=2)`: FSDP2 x CP on a 2-D mesh.
 """
 
 import torch
-from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training
+from accelerate.parallelism_config import ParallelismConfig
+from cotrain_cases import PROMPTS, equality_run_config, equality_trainer, fixed_completions, main, record_training
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
 
@@ -30,21 +32,36 @@ def record_forward_shapes(model) -> list[tuple[bool, tuple[int, ...]]]:
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     """Train; return this rank's record."""
     mode, _, variant = mode.partition("-")
-    # a smaller step keeps the second step's KL moderate (its exp amplifies float32 rounding)
-    scoring = {"beta": 0.1, "num_iterations": 2, "learning_rate": 0.005} if variant == "kl" else {}
+    options = {"per_device_train_batch_size": 8}
+    if variant == "kl":  # a smaller step keeps the second step's KL moderate (its exp amplifies float32 rounding)
+        options |= {"beta": 0.1, "num_iterations": 2, "learning_rate": 0.005}
+    prompts = PROMPTS
+    if variant == "fsdp":  # a group of 4 generations per rank, as in the 2-process runs
+        prompts = [*PROMPTS, "abc", "xyz!"]
+        options["per_device_train_batch_size"] = 16
+    if mode == "cp":
+        options["per_device_train_batch_size"] //= 4 if variant == "fsdp" else 2
+        options["context_parallel_size"] = 2
+    if mode == "cp" and variant == "fsdp":  # the sizes as accelerate's config: the trainer takes cp_size from it
+        options |= {"context_parallel_size": 1, "parallelism_config": ParallelismConfig(dp_shard_size=2, cp_size=2)}
     config = equality_run_config(
         out_dir,
-        per_device_train_batch_size=4 if mode == "cp" else 8,
         speculative_decoding=False,
-        context_parallel_size=2 if mode == "cp" else 1,
         router_aux_loss_coef=0.0,  # an MoE policy's (gpt-oss) auxiliary loss, which TRL adds by default, is refused
-        **scoring,
+        **options,
     )
-    trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
+    trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config, prompts=prompts)
     policy_shapes = record_forward_shapes(trainer._policy())
     reference_shapes = [] if trainer.ref_model is None else record_forward_shapes(trainer.unwrapped(trainer.ref_model))
+    step = trainer.parallel_step
     record = record_training(trainer)
-    return {**record, "policy_shapes": policy_shapes, "reference_shapes": reference_shapes}
+    return {
+        **record,
+        "policy_shapes": policy_shapes,
+        "reference_shapes": reference_shapes,
+        "cp_group": [] if step is None else torch.distributed.get_process_group_ranks(step.group),
+        "policy_param_types": sorted({type(p).__name__ for p in trainer._policy().parameters()}),
+    }
 
 
 if __name__ == "__main__":

@@ -50,6 +50,19 @@ def test_scoring_passes_run_sharded_and_equal_the_single_process_steps(tmp_path,
     assert {shape[0] for _, shape in single["reference_shapes"]} == {8}  # ...where one process scores its 8 rows
 
 
+def test_fsdp2_and_context_parallel_on_a_2d_mesh_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """4 processes, accelerate's `ParallelismConfig(dp_shard_size=2, cp_size=2)`: the policy sharded with FSDP2 over
+    the mesh (the package shards it on CPU, where accelerate drops FSDP), the ring over groups of 2 consecutive
+    ranks, the draft replicated; two steps equal one process's on the same 16 rows."""
+    fsdp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "cp", variant="fsdp", nproc=4)
+
+    assert_equal_runs(fsdp, single, ["loss", "entropy"], loosen=1.0)
+    for record in fsdp:
+        rank = record["rank"]
+        assert record["cp_group"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert record["policy_param_types"] == ["DTensor"]  # really sharded
+
+
 def assert_equal_runs(cp: list[dict], single: dict, logged: list[str], *, loosen: float) -> None:
     """Each rank's gradients and parameters after the steps, and its logged metrics, equal the single process's."""
     assert_single_run_learned(cp, single)
