@@ -1,4 +1,6 @@
 # Run: accelerate launch examples/grpo_spec.py [options]      (or: python examples/grpo_spec.py [options])
+# Long sequences at scale (FSDP2 x context parallelism):
+#   accelerate launch --config_file examples/accelerate_configs/fsdp2_context_parallel.yaml examples/grpo_spec.py ...
 """GRPO with an EAGLE-3 draft co-trained online, and speculative rollouts that track the moving policy.
 
 With no options this runs the *embedded default* end to end on a CPU in under 10 minutes:
@@ -500,14 +502,17 @@ def main(argv: list[str] | None = None) -> dict:
         model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
         dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
         probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
-    if config.pipeline_parallel_size > 1 and probe_prompts:  # the probe needs the whole policy in one process
-        print("[grpo_spec] pipeline parallelism: the acceptance probe is off (no process holds the whole policy).")
-        probe_prompts = []
     reward_funcs = [load_reward(name) for name in script.reward_funcs]
 
     trainer = SpecCoTrainGRPOTrainer(
         model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset, processing_class=tokenizer
     )
+    # The probe generates on the main process alone, with the whole policy.
+    if probe_prompts and (trainer.parallel_dims.pp_enabled or trainer.parallel_dims.fsdp or trainer.is_fsdp_enabled):
+        print(
+            "[grpo_spec] pipeline parallelism or FSDP: the acceptance probe is off (no process holds the whole policy)."
+        )
+        probe_prompts = []
     probe = None
     if probe_prompts:
         embedded_reward = reward_funcs[0] if script.model_name_or_path is None else None

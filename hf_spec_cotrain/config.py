@@ -364,6 +364,7 @@ class SpecCoTrainConfig(GRPOConfig):
                 "parallel. Set both to 1."
             )
         self.context_parallel_size = parallelism.cp_size
+        self._data_parallel_shard_size = parallelism.dp_shard_size  # checked against the world size by the trainer
         if parallelism.dp_shard_enabled and not self.fsdp:
             self.fsdp = True
             self.fsdp_config = {"fsdp_version": 2, **(self.fsdp_config or {})}

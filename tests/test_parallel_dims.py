@@ -2,6 +2,8 @@
 run-time facts the trainer adds to the config's checks, and the policies each parallelism refuses at start. The group building is in
 tests/distributed/test_parallel_dims_groups.py."""
 
+from pathlib import Path
+
 import pytest
 
 from hf_spec_cotrain import SpecCoTrainConfig
@@ -97,8 +99,8 @@ def test_context_parallel_sizes_come_from_accelerates_parallelism_config(tmp_pat
     assert config.fsdp_config["version"] == 2
     dims = ParallelDims.from_config(config, world_size=4)
     assert (dims.fsdp, dims.dp) == (True, 2)
-    with pytest.raises(ValueError, match=r"must divide the world size \(3 processes\)"):
-        ParallelDims.from_config(config, world_size=3)
+    with pytest.raises(ValueError, match=r"world size \(6 processes\) is not the mesh's data-parallel size 2 x"):
+        ParallelDims.from_config(config, world_size=6)
     # A DDP x CP mesh, and the accelerate config file's sizes (`accelerate launch` exports them).
     assert _config(tmp_path, parallelism_config=ParallelismConfig(cp_size=2)).fsdp is None
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
@@ -112,6 +114,30 @@ def test_context_parallel_sizes_come_from_accelerates_parallelism_config(tmp_pat
     for bad in ({"dp_replicate_size": 2}, {"tp_size": 2}):
         with pytest.raises(ValueError, match="cannot be combined with `dp_replicate_size`"):
             _config(tmp_path, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2, **bad))
+
+
+def test_the_fsdp2_context_parallel_accelerate_config_reaches_the_config(tmp_path, monkeypatch):
+    """`accelerate launch` exports the config file's `parallelism_config` block as accelerate's own function does."""
+    import argparse
+
+    import yaml
+    from accelerate.utils.launch import prepare_extend_env_parallelism_config
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "accelerate_configs"
+    launch = yaml.safe_load((folder / "fsdp2_context_parallel.yaml").read_text())
+    defaults = {f"parallelism_config_{name}_size": 1 for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    args = argparse.Namespace(
+        **defaults | launch["parallelism_config"],
+        parallelism_config_cp_backend="torch",
+        parallelism_config_cp_comm_strategy="allgather",
+        parallelism_config_sp_backend="deepspeed",
+    )
+    for name, value in prepare_extend_env_parallelism_config(args, {}).items():
+        monkeypatch.setenv(name, value)
+    config = _config(tmp_path)
+    assert (config.context_parallel_size, config.fsdp, config.fsdp_config["version"]) == (4, True, 2)
+    assert launch["num_processes"] == 8 and launch["fsdp_config"]["fsdp_version"] == 2
+    assert ParallelDims.from_config(config, world_size=launch["num_processes"]).dp == 2
 
 
 CP, PP = ParallelDims(context_parallel_size=2), ParallelDims(pipeline_parallel_size=2)

@@ -42,6 +42,7 @@ __all__ = [
     "TapMismatchError",
     "ZigzagHalo",
     "all_reduce_gradients",
+    "apply_fsdp2",
     "pack_rows",
     "pad_documents",
     "policy_log_probs",
@@ -57,6 +58,7 @@ __all__ = [
 
 _MODULE_OF = {
     "ParallelDims": "dims",
+    "apply_fsdp2": "fsdp",
     "TapChannel": "tap_channel",
     "TapMismatchError": "tap_channel",
     "stage_layer_ranges": "pipeline",
@@ -65,6 +67,7 @@ _MODULE_OF = {
 
 if TYPE_CHECKING:
     from .dims import ParallelDims
+    from .fsdp import apply_fsdp2
     from .pipeline import stage_layer_ranges, stream_pipeline_weights
     from .tap_channel import TapChannel, TapMismatchError
 

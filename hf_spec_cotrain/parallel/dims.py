@@ -31,12 +31,15 @@ class ParallelDims:
         pipeline_parallel_size: pipeline stages, one rank each; must equal the world size.
         world_size: the number of processes; None skips the checks against it (a config on its own).
         fsdp: the policy is sharded with FSDP2 (over every rank of the mesh) rather than replicated (DDP).
+        data_parallel_size: the mesh's data-parallel axis when given (accelerate's `dp_shard_size`); the world size
+            must then be exactly it times `context_parallel_size`. None: whatever the world size leaves.
     """
 
     context_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     world_size: int | None = None
     fsdp: bool = False
+    data_parallel_size: int | None = None
 
     def __post_init__(self):
         cp = check_int(self.context_parallel_size, "context_parallel_size")
@@ -53,6 +56,12 @@ class ParallelDims:
             raise ValueError(
                 f"`context_parallel_size`={cp} must divide the world size ({world_size} processes): launch a "
                 f"multiple of {cp} processes, or lower `context_parallel_size`."
+            )
+        if self.data_parallel_size is not None and world_size != self.data_parallel_size * cp:
+            raise ValueError(
+                f"The world size ({world_size} processes) is not the mesh's data-parallel size "
+                f"{self.data_parallel_size} x `context_parallel_size`={cp}: launch {self.data_parallel_size * cp} "
+                "processes, or change the sizes."
             )
         if pp > 1 and world_size != pp:
             raise ValueError(
@@ -100,7 +109,8 @@ class ParallelDims:
         `parallelism_config` that shards), even where accelerate dropped it (on CPU).
         """
         fsdp = fsdp or bool(config.fsdp) or _fsdp_shards(config.parallelism_config)
-        dims = cls(config.context_parallel_size, config.pipeline_parallel_size, world_size, fsdp=fsdp)
+        data_parallel_size = getattr(config, "_data_parallel_shard_size", None)  # from a `ParallelismConfig`
+        dims = cls(config.context_parallel_size, config.pipeline_parallel_size, world_size, fsdp, data_parallel_size)
         if dims.cp_enabled:
             _check_context_parallel_options(config, deepspeed=deepspeed, fsdp_version=fsdp_version)
         if dims.pp_enabled:
