@@ -1,0 +1,186 @@
+"""Per-rank peak memory and time of a whole GRPO training step with co-training, under FSDP2 x context parallelism.
+
+What runs: `SpecCoTrainGRPOTrainer` on a tiny Llama (8 layers of 128) (float32, CPU, gloo), each rank holding 2 rows of one prompt and
+a fixed completion of L - prompt tokens (generation is replaced, so that only the step's own work is measured), with
+`beta=0.04`: every step scores the rows with the reference model, runs the policy's GRPO forward and backward and
+the draft's TTT (K = 3), then steps both optimizers. Configurations (shard, cp): FSDP2 over `shard x cp` ranks
+(accelerate's `ParallelismConfig(dp_shard_size=shard, cp_size=cp)`; the trainer shards the policy itself on CPU)
+or plain data parallelism for shard = 1, and the zigzag ring over groups of `cp` ranks. Each configuration and length
+runs in its own `torchrun`; the first step is a warm-up, the others are measured.
+
+Memory: per rank, the peak resident set over a step (VmHWM, reset at the step's start) minus the resident set then,
+the maximum over the ranks (scripts/bench_cp.py explains the method; children run with
+`MALLOC_MMAP_THRESHOLD_=65536`). Time: wall seconds of the step (the slowest rank) and CPU seconds of the busiest
+rank; with one thread per rank and 4 ranks on 2 cores, compare CPU seconds.
+
+    python scripts/bench_cp_step.py --lengths 1024 2048          # a few minutes on 2 cores
+    python scripts/bench_cp_step.py                              # L = 8K, 16K, 32K: long (not run here)
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cp import _memory_status, _reset_peak  # noqa: E402
+
+
+CONFIGS = ("1x1", "1x2", "1x4", "2x2")  # shard x cp
+RATIOS = (("1x4", "1x1"), ("2x2", "1x2"), ("1x2", "1x1"))
+PROMPT = "Q: count the letters. A:"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="shard x cp")
+    parser.add_argument("--steps", type=int, default=1, help="measured steps (after one warm-up step)")
+    parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "LENGTH", "DIR"), help=argparse.SUPPRESS)
+    return parser
+
+
+def _sizes(config: str) -> tuple[int, int]:
+    shard, cp = config.split("x")
+    return int(shard), int(cp)
+
+
+def worker(config: str, length: int, folder: Path, steps: int) -> None:
+    """One rank of one configuration under torchrun: train 1 + `steps` steps, write this rank's measurements."""
+    import torch
+    import torch.distributed as dist
+    from accelerate.parallelism_config import ParallelismConfig
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+    from hf_spec_cotrain.testing import build_char_tokenizer
+
+    torch.set_num_threads(1)
+    shard, cp = _sizes(config)
+    tokenizer = build_char_tokenizer()
+    prompt_length = len(tokenizer(PROMPT)["input_ids"])
+
+    class FixedRollouts(SpecCoTrainGRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+            generator = torch.Generator().manual_seed(len(prompt_ids))
+            size = (len(prompt_ids), length - prompt_length)
+            return torch.randint(4, 90, size, generator=generator).tolist(), None
+
+    class StepMeter(TrainerCallback):
+        def __init__(self):
+            self.rows = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if dist.is_initialized():
+                dist.barrier()
+            _reset_peak()
+            self.start = (_memory_status()["VmRSS"], time.perf_counter(), time.process_time())
+
+        def on_step_end(self, args, state, control, **kwargs):  # after the draft's update (added first)
+            rss, wall, cpu = self.start
+            peak = _memory_status()["VmHWM"] - rss
+            self.rows.append({"peak": peak, "wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu})
+
+    parallel = {"context_parallel_size": cp}
+    if shard > 1:
+        parallel = {"parallelism_config": ParallelismConfig(dp_shard_size=shard, cp_size=cp)}
+    args = SpecCoTrainConfig(
+        output_dir=str(folder / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=length - prompt_length,
+        max_steps=1 + steps,
+        beta=0.04,
+        logging_steps=1,
+        save_strategy="no",
+        save_draft=False,
+        speculative_decoding=False,
+        ttt_steps=3,
+        ttt_gradient_checkpointing=True,
+        disable_tqdm=True,
+        **parallel,
+    )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = FixedRollouts(
+        model=str(folder.parent.parent / "policy"),
+        reward_funcs=lambda completions, **kwargs: [float(len(set(text[:64]))) for text in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [PROMPT] * (world_size * (1 + steps))}),
+        processing_class=tokenizer,
+    )
+    meter = StepMeter()
+    trainer.add_callback(meter)
+    trainer.train()
+    rank = int(os.environ.get("RANK", "0"))
+    (folder / f"rank{rank}.json").write_text(json.dumps(meter.rows[1:]))
+
+
+def measure(config: str, length: int, root: Path, steps: int) -> dict[str, float]:
+    """Run one configuration at one length; the maximum over ranks of each measured step's peak, wall and CPU."""
+    shard, cp = _sizes(config)
+    folder = root / f"{config}-{length}"
+    folder.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(shard * cp), "--master_port"]
+    command += [str(29500 + (os.getpid() + len(list(root.iterdir()))) % 1000), __file__, "--steps", str(steps)]
+    command += ["--worker", config, str(length), str(folder)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
+    with (folder / "log.txt").open("w") as log:
+        returncode = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if returncode:
+        raise RuntimeError(f"{config} at L = {length} failed:\n" + (folder / "log.txt").read_text()[-6000:])
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(shard * cp)]
+    return {key: max(row[key] for rows in ranks for row in rows) for key in ("peak", "wall", "cpu")}
+
+
+def main() -> None:
+    args = make_parser().parse_args()
+    if args.worker:
+        config, length, folder = args.worker
+        worker(config, int(length), Path(folder), args.steps)
+        return
+    from hf_spec_cotrain.testing import save_tiny_target
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        positions = max(args.lengths)
+        save_tiny_target(
+            root / "policy",
+            num_layers=8,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=256,
+            max_position_embeddings=positions,
+        )
+        runs = root / "runs"
+        runs.mkdir()
+        results = {(c, n): measure(c, n, runs, args.steps) for n in args.lengths for c in args.configs}
+    print(
+        "| L | "
+        + " | ".join(f"{c} MiB | {c} CPU s" for c in args.configs)
+        + " | "
+        + " | ".join(f"{a} / {b}" for a, b in RATIOS if a in args.configs and b in args.configs)
+        + " |"
+    )
+    for n in args.lengths:
+        cells = [f"{results[c, n]['peak'] / 2**20:.1f} | {results[c, n]['cpu']:.1f}" for c in args.configs]
+        ratios = [
+            f"{results[a, n]['peak'] / results[b, n]['peak']:.2f}"
+            for a, b in RATIOS
+            if a in args.configs and b in args.configs
+        ]
+        print(f"| {n} | " + " | ".join(cells + ratios) + " |")
+
+
+if __name__ == "__main__":
+    main()
