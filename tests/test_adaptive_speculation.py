@@ -202,15 +202,35 @@ def test_a_new_bucket_measures_the_ends_and_k1_then_exploits_then_explores():
     assert first == [3, 3, 0, 0, 1, 1]
     model.observe_acceptance([100, 90, 80], [90, 80, 70])
     explored = []
-    for round_index in range(7, 31):
+    for round_index in range(7, 91):
         best, k = model.best(8), model.choose(8)
         if k != best:
             explored.append((round_index, k))
         model.observe_round(8, k, seconds=0.01 + 0.003 * k, draft_seconds=0.002 * k, tokens_per_row=1 + k * 0.8)
-    # rounds 11, 21 of the bucket explore (after 10 and 20 rounds): first the K never run, then the stalest
-    assert [index for index, _ in explored] == [11, 21]
+    # 10 rounds after the first ones, first the K never run; the model predicted its time (the costs are exact
+    # here), so the gaps double: then the stalest, 20 rounds later, then 40
+    assert [index for index, _ in explored] == [17, 37, 77]
     assert explored[0][1] == 2
     assert model.choose(16) == 3  # another bucket starts over
+
+
+def test_explorations_come_rarer_while_they_confirm_the_model_and_often_again_after_a_surprise():
+    model = AdaptiveSpeculation(2, explore_interval=4, max_explore_interval=16, first_rounds=1)
+    model.observe_acceptance([1000, 1000], [900, 900])
+    cost = {0: 0.010, 1: 0.011, 2: 0.012}  # K = 2 pays most
+    explored_at = []
+    for round_index in range(120):
+        if round_index == 60:  # plain rounds get cheaper, and only an exploration of K = 0 can see it
+            cost[0] = 0.004
+        best, k = model.best(1), model.choose(1)
+        if k != best and round_index >= 3:  # after the first rounds (K = 2, 0, 1)
+            explored_at.append(round_index)
+        model.observe_round(1, k, seconds=cost[k], draft_seconds=0.0, tokens_per_row=1 + 0.9 * k)
+    gaps = {at: b - at for at, b in itertools.pairwise(explored_at)}
+    before = [gap for at, gap in gaps.items() if at < 60]
+    assert before[0] == 8 and before[-1] == 16 and before == sorted(before)  # doubling, up to the longest gap
+    surprise = next(at for at in explored_at if at >= 60)
+    assert gaps[surprise] == 4  # the surprise started the gaps over
 
 
 def test_a_stale_estimate_corrects_itself():

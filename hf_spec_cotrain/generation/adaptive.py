@@ -24,8 +24,9 @@ relative costs only.
 
 The predicted tokens per second of K are ``E(K) / (speed(b) * (target(b, K + 1) + K * draft(b)))`` with
 ``E(K) = 1 + sum_{j=1..K} prod_{i<j} alpha_i`` tokens per round; K = 0 gives ``1 / target(b, 1)``. A new bucket
-first runs ``K_max``, 0 and 1 (the ends of the curve and its first step), and every ``explore_interval`` rounds
-a bucket runs the K measured longest ago, so a stale estimate corrects itself.
+first runs ``K_max``, 0 and 1 (the ends of the curve and its first step); then now and then it runs the K
+measured longest ago, so a stale estimate corrects itself: ``explore_interval`` rounds later, then at gaps that
+double while explorations take the time the model predicted, and that start over at a surprise.
 """
 
 import itertools
@@ -129,6 +130,10 @@ class _Bucket:
     calls: dict[bool, _Smoothed] = field(default_factory=dict)  # plain? -> tokens per second of whole calls
     calls_since_probe: int = 0
     calls_between_probes: int = 8  # the current gap between two probes of the slower route
+    next_exploration: int | None = None  # the round at which this bucket next runs its stalest K
+    rounds_between_explorations: int = 0  # the current gap
+    exploring: int | None = None  # the K of an exploration round under way
+    surprised: int | None = None  # the K whose last exploration did not take the predicted time
 
 
 class AdaptiveSpeculation:
@@ -136,7 +141,12 @@ class AdaptiveSpeculation:
 
     Args:
         max_speculative_tokens: ``K_max``; K ranges over ``0 .. K_max``.
-        explore_interval: every this many rounds of a batch-size bucket, run the K measured longest ago.
+        explore_interval: after this many rounds of a batch-size bucket, run the K measured longest ago. Each
+            exploration whose round took what the model predicted (within ``explore_tolerance``) doubles the gap,
+            up to ``max_explore_interval``; a surprise starts it over.
+        max_explore_interval: the longest gap between two explorations (default: 8 x ``explore_interval``).
+        explore_tolerance: how far (relative) an exploration round's time may be from its prediction and still
+            confirm the model.
         first_rounds: rounds of each of ``K_max``, 0 and 1 a new bucket runs before it chooses.
         smoothing: weight of a new timing in its moving average.
         drift_smoothing: weight of a round in the moving average of the machine's speed.
@@ -156,6 +166,8 @@ class AdaptiveSpeculation:
         max_speculative_tokens: int,
         *,
         explore_interval: int = 25,
+        max_explore_interval: int | None = None,
+        explore_tolerance: float = 0.25,
         first_rounds: int = 2,
         smoothing: float = 0.1,
         drift_smoothing: float = 0.3,
@@ -168,6 +180,15 @@ class AdaptiveSpeculation:
     ):
         self.max_speculative_tokens = check_int(max_speculative_tokens, "max_speculative_tokens")
         self.explore_interval = check_int(explore_interval, "explore_interval")
+        self.max_explore_interval = check_int(
+            8 * self.explore_interval if max_explore_interval is None else max_explore_interval,
+            "max_explore_interval",
+            minimum=self.explore_interval,
+            hint=" (at least `explore_interval`)",
+        )
+        if not explore_tolerance > 0:
+            raise ValueError(f"`explore_tolerance`={explore_tolerance!r} is not allowed: it must be > 0.")
+        self.explore_tolerance = explore_tolerance
         self.first_rounds = check_int(first_rounds, "first_rounds")
         for name, value in (
             ("smoothing", smoothing),
@@ -247,15 +268,32 @@ class AdaptiveSpeculation:
 
     def _exploration(self, bucket: _Bucket) -> int | None:
         """``K_max``, 0 and 1 first (the ends of the curve, and the K that tells whether drafting pays at all),
-        ``first_rounds`` rounds each; then, every ``explore_interval`` rounds, the stalest K."""
+        ``first_rounds`` rounds each; then, now and then, the stalest K (`_after_exploration` sets when)."""
         for k in (self.max_speculative_tokens, 0, 1):
             point = bucket.target.get(k + 1)
             if point is None or point.count < self.first_rounds:
                 return k
-        if bucket.rounds and bucket.rounds % self.explore_interval == 0:
-            measured_at = {k: bucket.target[k + 1].updated_at if k + 1 in bucket.target else -1 for k in self._ks()}
-            return min(measured_at, key=measured_at.get)
-        return None
+        if bucket.next_exploration is None:  # the first rounds are done
+            bucket.rounds_between_explorations = self.explore_interval
+            bucket.next_exploration = bucket.rounds + self.explore_interval
+        if bucket.rounds < bucket.next_exploration:
+            return None
+        measured_at = {k: bucket.target[k + 1].updated_at if k + 1 in bucket.target else -1 for k in self._ks()}
+        bucket.exploring = bucket.surprised if bucket.surprised is not None else min(measured_at, key=measured_at.get)
+        return bucket.exploring
+
+    def _after_exploration(self, bucket: _Bucket, k: int, seconds: float) -> None:
+        """The gap to the next exploration. A round of a K far from the best costs most of a round where speculation
+        pays (a K = 0 round emits one token where K = 5 emits several), and a call of 128 tokens may be only 20
+        rounds: one exploration every 25 rounds cost about 4% of such calls. So the gap doubles while explorations
+        find the times the model predicted, and starts over at a surprise, whose K the next exploration runs again
+        (a stale estimate, as one noisy round leaves, is re-measured until it holds)."""
+        predicted = bucket.speed * _reference_round_seconds(bucket, k)
+        confirmed = abs(seconds / predicted - 1.0) <= self.explore_tolerance  # False while NaN
+        gap = 2 * bucket.rounds_between_explorations if confirmed else self.explore_interval
+        bucket.rounds_between_explorations = min(gap, self.max_explore_interval)
+        bucket.next_exploration = bucket.rounds + bucket.rounds_between_explorations
+        bucket.exploring, bucket.surprised = None, (None if confirmed else k)
 
     # ------------------------------------------------------------------ the model
 
@@ -312,6 +350,8 @@ class AdaptiveSpeculation:
         self, batch_size: int, k: int, *, seconds: float, draft_seconds: float, tokens_per_row: float
     ) -> None:
         bucket = self._bucket(batch_size)
+        if bucket.exploring is not None:
+            self._after_exploration(bucket, k, seconds)
         bucket.rounds += 1
         now, weight = bucket.rounds, self.smoothing
         # A K that keeps running tells the machine's drift (it alone sees it); a K just switched to, or still in its
