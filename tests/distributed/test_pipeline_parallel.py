@@ -134,6 +134,15 @@ def test_pipeline_step_equals_single_process(cp_pool, size, family, schedule, tr
             torch.testing.assert_close(torch.from_numpy(grad), reference_draft[name], rtol=rtol, atol=atol)
 
 
+def assert_stage_grads_equal(per_rank: list[list[dict]], seed: int, reference_grads: dict, *, rtol, atol) -> None:
+    """The stages' gradients of batch ``seed`` are, together, exactly the whole model's."""
+    names = [name for rank in per_rank for name in rank[seed]["grads"]]
+    assert sorted(names) == sorted(reference_grads)
+    for rank in per_rank:
+        for name, grad in rank[seed]["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(grad), reference_grads[name], rtol=rtol, atol=atol)
+
+
 def test_pipeline_without_cotraining_equals_single_process(cp_pool):
     per_rank = cp_pool.run(run_pipeline_steps, 4, "llama", "1F1B", "channel", 4, False, torch.float64)
     rtol, atol = TOLERANCES[torch.float64]
@@ -142,12 +151,7 @@ def test_pipeline_without_cotraining_equals_single_process(cp_pool):
         loss, _ = reference_step(policy, None, make_batch(seed, **shape))
         assert per_rank[-1][seed]["loss"] == pytest.approx(loss.item(), rel=rtol, abs=atol)
         assert "draft_loss" not in per_rank[-1][seed]
-        reference_grads = grads_of(policy)
-        names = [name for rank in per_rank for name in rank[seed]["grads"]]
-        assert sorted(names) == sorted(reference_grads)
-        for rank in per_rank:
-            for name, grad in rank[seed]["grads"].items():
-                torch.testing.assert_close(torch.from_numpy(grad), reference_grads[name], rtol=rtol, atol=atol)
+        assert_stage_grads_equal(per_rank, seed, grads_of(policy), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("size, schedule", [(2, "GPipe"), (4, "1F1B")])
@@ -164,12 +168,7 @@ def test_pipeline_step_with_kl_to_a_reference_equals_single_process(cp_pool, siz
         without_kl = reference_step(build_policy("llama", torch.float64), None, make_batch(seed, **shape))[0]
         assert abs(loss.item() - without_kl.item()) > 1e-3  # the KL term weighs in
         assert per_rank[-1][seed]["loss"] == pytest.approx(loss.item(), rel=rtol, abs=atol)
-        reference_grads = grads_of(policy)
-        names = [name for rank in per_rank for name in rank[seed]["grads"]]
-        assert sorted(names) == sorted(reference_grads)
-        for rank in per_rank:
-            for name, grad in rank[seed]["grads"].items():
-                torch.testing.assert_close(torch.from_numpy(grad), reference_grads[name], rtol=rtol, atol=atol)
+        assert_stage_grads_equal(per_rank, seed, grads_of(policy), rtol=rtol, atol=atol)
 
 
 # ---------------------------------------------------------------------------------------------------- weights
