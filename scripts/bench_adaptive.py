@@ -3,10 +3,11 @@
 On the cached benchmark target and warm-started draft of `bench_assets.py` (built on first use), for each dtype and
 batch size, one run each of: plain decoding (`target.generate`, which is K = 0), `speculative_generate` with
 K = 1..5, and "auto" as the trainer runs it: ``AdaptiveSpeculation(5)``, whole calls decoded plainly where it
-expects K = 0 to win (`prefers_plain`), else `speculative_generate` choosing K per round (K = 0 included). Rollouts sample at ``--temperature`` with probabilistic drafting, as RL rollouts do. The runs of one
-cell alternate (repeat 0 is a warm-up, and what the cost model first learns from; its state is kept across the
-repeats of a cell, as a trainer keeps it across steps) and the table shows medians. Prompts are the held-out
-real-text prefixes, repeated to fill large batches.
+expects K = 0 to win (`prefers_plain`), else `speculative_generate` choosing K per round (K = 0 included).
+Rollouts sample at ``--temperature`` with probabilistic drafting, as RL rollouts do. The runs of one cell
+alternate (repeat 0 is a warm-up, and what the cost model first learns from: for auto two calls, one by each
+route; its state is kept across the repeats of a cell, as a trainer keeps it across steps) and the table shows
+medians. Prompts are the held-out real-text prefixes, repeated to fill large batches.
 
 Goal: auto at or above 0.95x the best fixed K (K = 0 included) at every batch size.
 
@@ -57,7 +58,13 @@ def cell(target, draft, prompts, *, batch_size, max_new_tokens, temperature, rep
 
     def auto_run(repeat: int) -> RunOutput:
         """What the trainer does: a whole call decoded plainly or speculatively as `prefers_plain` says, its
-        tokens per second fed back."""
+        tokens per second fed back. The warm-up makes two calls, a speculative one and a plain one, so that the
+        timed calls start from both routes measured, as a trainer's have from its second step on."""
+        if repeat == 0:
+            auto_call(repeat)
+        return auto_call(repeat)
+
+    def auto_call(repeat: int) -> RunOutput:
         plain = auto.prefers_plain(batch_size)
         started = time.perf_counter()
         out = runs["K=0"](repeat) if plain else speculate(repeat)
