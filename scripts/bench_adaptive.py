@@ -7,7 +7,8 @@ expects K = 0 to win (`prefers_plain`), else `speculative_generate` choosing K p
 Rollouts sample at ``--temperature`` with probabilistic drafting, as RL rollouts do. The runs of one cell
 alternate (repeat 0 is a warm-up, and what the cost model first learns from: for auto two calls, one by each
 route; its state is kept across the repeats of a cell, as a trainer keeps it across steps) and the table shows
-medians. Prompts are the held-out real-text prefixes, repeated to fill large batches.
+medians, and as "spread" the median over the cell's columns of fastest / slowest timed run: a cell's ratios are
+only as sharp as that. Prompts are the held-out real-text prefixes, repeated to fill large batches.
 
 Goal: auto at or above 0.95x the best fixed K (K = 0 included) at every batch size.
 
@@ -18,6 +19,7 @@ Goal: auto at or above 0.95x the best fixed K (K = 0 included) at every batch si
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,6 +79,7 @@ def cell(target, draft, prompts, *, batch_size, max_new_tokens, temperature, rep
     runs["auto"] = auto_run
     timings = time_alternating(runs, repeats=repeats)
     result = {name: timing.tokens_per_second for name, timing in timings.items()}
+    result["spread"] = statistics.median(timing.spread for timing in timings.values())
     result["auto_mean_k"] = sum(live * k for live, k in rounds) / max(sum(live for live, _ in rounds), 1)
     result["auto_predicted_speedup"] = auto.predicted_speedup(batch_size)
     return result
@@ -146,11 +149,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{result['auto_mean_k']:.2f}",
                 f"K={best_k}",
                 f"{auto / fixed[best_k]:.2f}",
+                f"{result['spread']:.2f}",
             ]
         )
     print()
     print_table(
-        ["dtype", "batch", "plain tok/s", *[f"K={k}" for k in FIXED_KS], "auto", "auto mean K", "best", "auto/best"],
+        [
+            "dtype",
+            "batch",
+            "plain tok/s",
+            *[f"K={k}" for k in FIXED_KS],
+            "auto",
+            "auto mean K",
+            "best",
+            "auto/best",
+            "spread",
+        ],
         rows,
     )
     print(f"\nSpeed-ups over plain decoding (K = 0) in the same run; goal auto/best >= 0.95. {machine_load()}")

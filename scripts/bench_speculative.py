@@ -146,6 +146,7 @@ class Timing:
     num_drafts: int
     num_accepted: int
     completions: list[list[int]]  # of the last run
+    spread: float = 1.0  # fastest over slowest timed run: how far apart repeats of the same configuration land
 
     @property
     def acceptance_length(self) -> float | None:
@@ -167,7 +168,15 @@ def time_alternating(runs: dict[str, Callable[[int], RunOutput]], *, repeats: in
                 rates[name].append(sum(map(len, out.completions)) / elapsed)
                 counters[name][0] += out.num_drafts
                 counters[name][1] += out.num_accepted
-    return {name: Timing(statistics.median(rates[name]), *counters[name], completions=last[name]) for name in runs}
+    return {
+        name: Timing(
+            statistics.median(rates[name]),
+            *counters[name],
+            completions=last[name],
+            spread=max(rates[name]) / min(rates[name]),
+        )
+        for name in runs
+    }
 
 
 def hf_baseline_run(target, groups: list[torch.Tensor], *, max_new_tokens: int, temperature: float, seed: int):
