@@ -90,7 +90,10 @@ class SpeculativeRollouts:
         # Under pipeline parallelism, the policy's stages (`PipelinedTarget`): HF-native turns run through them.
         self.pipeline: PipelinedTarget | None = None
         self._engine_synced_step = -1
-        self._push_error: str | None = None  # why this step's push from the pipeline's stages failed
+        # Under pipeline parallelism: why this step's push from the stages failed, and whether the last stage's rollout
+        # request met a restarted server since the last push.
+        self._push_error: str | None = None
+        self._restart_seen = False
         self._engine_calls = 0
         self._fallbacks_in_a_row = 0
         self.step_times = step_times or StepTimes(metrics)
@@ -277,10 +280,10 @@ class SpeculativeRollouts:
             try:
                 return self._vllm_turn(prompt_ids, step=step, training=training)
             except EngineRestartedError as restarted:
-                if self.pipeline is not None:  # the stages push together, at the next step: plain turn until then
-                    self._engine_synced_step = -1
+                if self.pipeline is not None:  # the stages push together, before the next turn: plain until then
+                    self._restart_seen, self._push_error = True, f"the server restarted since: {restarted}"
                     raise WeightSyncError(
-                        f"{restarted} The stages push their weights again at the next step."
+                        f"{restarted} The stages push their weights again before the next turn."
                     ) from restarted
                 if self.engine.shared_across_processes and self.accelerator.num_processes > 1:
                     raise EngineRestartedError(
@@ -302,12 +305,13 @@ class SpeculativeRollouts:
         )
 
     def _vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
+        if self.pipeline is not None and (step != self._engine_synced_step or self._restart_seen):
+            # The stages' push (`push_stages`) failed, or the server restarted since: plain pipelined rollouts.
+            raise WeightSyncError(
+                f"The rollout server does not hold step {step}'s weights ({self._push_error}); the policy and the "
+                "draft are untouched."
+            )
         if step != self._engine_synced_step:
-            if self.pipeline is not None:  # the stages' push (`push_stages`) failed: plain pipelined rollouts
-                raise WeightSyncError(
-                    f"Pushing step {step}'s weights into the rollout server failed ({self._push_error}); the server "
-                    "keeps its previous weights, the policy and the draft are untouched."
-                )
             with self.step_times.measure("weight_sync"):
                 self.sync_engine()
             self._engine_synced_step = step
@@ -363,8 +367,13 @@ class SpeculativeRollouts:
         (the same on every stage) is kept for the turn, which then falls back to plain rollouts through the stages
         (logged, ``spec/fallback``); a server that restarted gets both pushed again; one out of reach stops the run
         on every stage."""
-        if step == self._engine_synced_step:
+        from ..generation.stage_sync import on_one_stage  # with the server's client, which needs the vLLM extra
+
+        # Whether the last stage's rollout request met a restarted server since the last push, on every stage.
+        restart_seen = on_one_stage(lambda: self._restart_seen, src=self.pipeline.driver, group=self.pipeline.group)
+        if step == self._engine_synced_step and not restart_seen:
             return
+        self._restart_seen = False
         self._push_error = None
         try:
             with self.step_times.measure("weight_sync"):
@@ -383,7 +392,7 @@ class SpeculativeRollouts:
         self._engine_synced_step = step
 
     def _push_stage_weights(self) -> None:
-        from ..generation.stage_sync import sync_stages  # the server's client needs the vLLM extra's `requests`
+        from ..generation.stage_sync import sync_stages
 
         group = self.pipeline.group
         with self.policy_weights() as weights:
