@@ -285,8 +285,7 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         incompatible,
         f"the pipelined step computes TRL's GRPO loss (loss_type one of {', '.join(GRPO_LOSS_TYPES)}, "
         "token-level ratios) on plain processes, with rollouts through the stages or from a vLLM server. Change them "
-        "or set "
-        "`pipeline_parallel_size=1`.",
+        "or set `pipeline_parallel_size=1`.",
     )
     if peft:
         raise ValueError(
