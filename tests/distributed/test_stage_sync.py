@@ -1,13 +1,20 @@
 """`stage_sync.sync_stages` on 4 gloo ranks against a recording stand-in of the server's client: one transaction,
 chunk indices running on across stages, one commit, and a failure anywhere raised on every stage with the transaction
-aborted. The real server takes such updates in tests/distributed/test_trainer_pp_vllm.py (`-m vllm`)."""
+aborted; and the trainer's `SpeculativeRollouts.push_stages` through a server restart. The real server takes such
+updates in tests/distributed/test_trainer_pp_vllm.py (`-m vllm`)."""
+
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hf_spec_cotrain.generation.client import SentChunks, VLLMServerError, WeightUpdate
+from hf_spec_cotrain.generation.engine import EngineRestartedError, RolloutOutput, SpecDecodeStats, WeightSyncError
 from hf_spec_cotrain.generation.stage_sync import sync_stages
+from hf_spec_cotrain.training.rollouts import RolloutSampling, SpeculativeRollouts
 
 
 pytestmark = pytest.mark.distributed
@@ -101,3 +108,81 @@ def test_a_failure_on_any_stage_is_raised_on_every_stage_and_aborts(cp_pool, fai
     began = fail[0] != "begin_update"
     assert (calls[0][-1] == ("abort", "t1")) == began  # nothing to abort when nothing was begun
     assert not any(call[0] == "abort" for rank_calls in calls[1:] for call in rank_calls)
+
+
+class RestartedServerClient(RecordingClient):
+    """A client of a server that restarted before the test: its first request of any kind raises
+    `EngineRestartedError` (it then knows the new instance), as `VLLMServerClient` does. `restart_again()`: the
+    next request meets a second restart."""
+
+    shared_across_processes = True
+
+    def __init__(self):
+        super().__init__(fail=None)
+        self.knows_instance = False
+
+    def restart_again(self) -> None:
+        self.knows_instance = False
+
+    def _maybe_fail(self, method: str) -> None:
+        if not self.knows_instance:
+            self.knows_instance = True
+            raise EngineRestartedError(f"restarted (met by {method} on stage {dist.get_rank()})")
+
+    def health(self):
+        self.calls.append(("health",))
+        self._maybe_fail("health")
+
+    def generate(self, prompt_ids, **sampling):
+        self.calls.append(("generate",))
+        self._maybe_fail("generate")
+        return RolloutOutput(completion_ids=[[5, 6]], logprobs=None, spec_decode=SpecDecodeStats())
+
+
+def run_push_through_restarts() -> dict:
+    """`push_stages` on a server that restarted: met by stage 0's begin, then (after a good push) by the last stage's
+    rollout request, whose turn cannot be served; the next `push_stages` of the same step pushes again everywhere."""
+    rank = dist.get_rank()
+    client = RestartedServerClient()
+    rollouts = SpeculativeRollouts(
+        nn.Linear(2, 2),  # the draft: only its state_dict is pushed
+        SimpleNamespace(num_speculative_tokens=2, max_draft_tokens=2, output_dir="unused"),
+        SimpleNamespace(device=torch.device("cpu")),
+        sampling=RolloutSampling(8, 1.0, 1.0, 0, [2], 0, None),
+        metrics=defaultdict(lambda: defaultdict(list)),
+        policy=lambda: nn.Linear(2, 2),
+        engine=client,
+        generates_for_all_ranks=True,
+    )
+    rollouts.pipeline = SimpleNamespace(group=dist.group.WORLD, driver=STAGES - 1, is_driver=rank == STAGES - 1)
+    rollouts.push_stages(0)
+    record = {"first_push": [call[0] for call in client.calls], "synced": rollouts._engine_synced_step}
+    client.calls.clear()
+    if rollouts.pipeline.is_driver:
+        client.restart_again()
+        with pytest.raises(WeightSyncError, match="restarted .*met by generate.* push their weights again"):
+            rollouts.vllm_turn([[1, 2]], step=0, training=True)
+    rollouts.push_stages(0)  # the same step: pushed again, since the last stage met a restart
+    record["second_push"] = [call[0] for call in client.calls]
+    client.calls.clear()
+    if rollouts.pipeline.is_driver:
+        record["served"] = rollouts.vllm_turn([[1, 2]], step=0, training=True)[0]
+    rollouts.push_stages(0)  # nothing new: no push
+    record["third_push"] = [call[0] for call in client.calls if call[0] != "generate"]
+    return record
+
+
+def test_push_stages_pushes_again_after_a_server_restart(cp_pool):
+    records = cp_pool.run(run_push_through_restarts)
+    # Stage 0's begin met the restart: every stage's client took the new instance and the stages pushed both sets.
+    assert records[0]["first_push"] == ["begin", "health", "begin", "send", "commit", "begin", "send", "commit"]
+    for record in records[1:]:
+        assert record["first_push"] == ["health", "send", "send"]
+    assert all(record["synced"] == 0 for record in records)
+    # The last stage's request met a second restart: that turn failed (it falls back), and the same step's next
+    # push_stages pushed again on every stage; the turn after it is served, and a third call pushes nothing.
+    assert records[0]["second_push"] == ["begin", "send", "commit", "begin", "send", "commit"]
+    assert all(record["second_push"] == ["send", "send"] for record in records[1:-1])
+    assert records[-1]["second_push"] == ["generate", "send", "send"]
+    assert records[-1]["served"] == [[5, 6]]
+    assert all(record["third_push"] == [] for record in records)
