@@ -137,7 +137,8 @@ class SpecCoTrainConfig(GRPOConfig):
             the GRPO loss and the whole draft, and the other stages send it their taps. Each rank draws
             `per_device_train_batch_size` rows as under data parallelism; the training step runs all ranks' rows
             as one batch through the pipeline. The last stage generates every rollout through the stages, with the
-            draft; no rank holds the whole policy.
+            draft, or with `use_vllm=True` and `vllm_mode="server"` requests them from the server, into which every
+            stage pushes its own weights; no rank holds the whole policy.
         pipeline_schedule (`str`, *optional*, defaults to `"1F1B"`):
             `torch.distributed.pipelining` schedule: `"1F1B"` or `"GPipe"`.
         pipeline_num_microbatches (`int`, *optional*, defaults to `4`):

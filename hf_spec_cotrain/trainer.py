@@ -330,6 +330,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         with self.step_times.measure("generation"):
             if isinstance(self.parallel_step, PipelineParallelStep):
+                if self.rollout_engine is not None and self._speculates(images, multimodal_fields):
+                    self.rollouts.push_stages(self.state.global_step)  # every stage its own weights, into the server
                 return self.parallel_step.generate_for_all_ranks(
                     prompt_ids, images, multimodal_fields, num_generations, self._generate_on_this_process
                 )
@@ -353,14 +355,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
 
-        if (
-            not self.args.speculative_decoding
-            or not self.draft_cotrainer.speculating
-            or self.use_vllm
-            or self.use_transformers_continuous_batching
-            or images is not None
-            or multimodal_fields
-        ):
+        if not self._speculates(images, multimodal_fields):
             return plain()
         return self.rollouts.generate(
             prompt_ids,
@@ -368,6 +363,17 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             training=self.model.training,
             policy_for_generation=self._policy_for_generation,
             plain=plain,
+        )
+
+    def _speculates(self, images, multimodal_fields) -> bool:
+        """Whether this turn's rollouts are speculative (else TRL's plain generation serves them)."""
+        return (
+            self.args.speculative_decoding
+            and self.draft_cotrainer.speculating
+            and not self.use_vllm  # TRL's own engine
+            and not self.use_transformers_continuous_batching
+            and images is None
+            and not multimodal_fields
         )
 
     @contextmanager

@@ -154,7 +154,12 @@ PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_ge
             {"per_device_train_batch_size": 6, "num_generations": 3, "pipeline_num_microbatches": 8},
             "`pipeline_num_microbatches`=8 does not divide the step's 12 rows",
         ),
-        ({"use_vllm": True}, "'use_vllm'"),
+        # A colocated engine would hold the whole policy on one rank; TRL's own vLLM pushes it from one process.
+        ({"use_vllm": True}, r"`vllm_mode`='colocate': a colocated engine holds the whole policy.*vllm_mode='server'"),
+        (
+            {"use_vllm": True, "vllm_mode": "server", "speculative_decoding": False},
+            r"`use_vllm=True` and `speculative_decoding=False`: .*TRL's own vLLM.*no stage holds it",
+        ),
         ({"loss_type": "cispo"}, "\"loss_type='cispo'\""),
         ({"context_parallel_size": 2}, "context_parallel_size"),
         ({"draft_bf16": True}, "'draft_bf16=True'"),
@@ -181,6 +186,8 @@ def test_config_accepts_pipeline_options():
         pipeline_num_microbatches=8,
         pipeline_tap_transport="relay",
         beta=0.04,
+        use_vllm=True,
+        vllm_mode="server",  # every stage pushes its own weights into the package's server
     )
     assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
     # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).

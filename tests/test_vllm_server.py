@@ -10,11 +10,6 @@ speculative counters) it produced when it started.
 import hashlib
 import http.client
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +22,14 @@ import requests
 import torch
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from vllm_server_utils import (
+    API_KEY,
+    MAX_CHUNKS,
+    MAX_STAGED_BYTES,
+    TRANSACTION_TIMEOUT,
+    ServerProcess,
+    free_port,
+)
 from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, main, vllm_serve_engine_kwargs
@@ -45,17 +48,9 @@ from hf_spec_cotrain.generation.engine import (
 )
 
 
-# Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.
-TRANSACTION_TIMEOUT = 5.0
-STARTUP_TIMEOUT = 300.0
 # The rollout every check compares: a short prompt and one longer than a KV block (a prefix-cache hit), kept light
 # because the module runs one on a loaded 2-core machine after every update.
 ROLLOUT_TOKENS = 16
-# The module server's key (given through the environment) and staging limits: small, so that tests reach them.
-API_KEY = "test-key-3f9c2a71d0b84e65"
-MAX_OPEN_TRANSACTIONS = 2
-MAX_STAGED_BYTES = 32 * 2**20
-MAX_CHUNKS = 64
 
 
 def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
@@ -233,7 +228,7 @@ def test_vllm_serve_options_become_engine_arguments():
 
 
 def test_client_names_the_server_it_cannot_reach():
-    port = _free_port()
+    port = free_port()
     client = VLLMServerClient(f"http://127.0.0.1:{port}", connect_timeout=1.0, reconnect_timeout=1.0)
     with pytest.raises(TimeoutError, match=rf"http://127.0.0.1:{port} was not ready within 0.5 s"):
         client.wait_until_ready(timeout=0.5, poll_interval=0.1)
@@ -253,87 +248,9 @@ def test_client_names_the_server_it_cannot_reach():
 # ------------------------------------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class _ServerProcess:
-    """`hf-spec-cotrain vllm-serve` for a model folder (and a draft) through the real console command, on a port of
-    its own that it keeps across restarts; `api_key` goes through the environment variable. The environment is the
-    one at construction: a restart from inside a trainer must not hand the server the trainer's distributed
-    settings."""
-
-    def __init__(self, model_dir: Path, log_dir: Path, *, draft_dir: Path | None = None, api_key: str | None = None):
-        self.port = _free_port()
-        self.log_path = log_dir / "server.log"
-        self.api_key = api_key
-        executable = Path(sys.executable).with_name("hf-spec-cotrain")
-        command = [str(executable)] if executable.exists() else [sys.executable, "-m", "hf_spec_cotrain.cli"]
-        command += ["vllm-serve", "--model", str(model_dir)]
-        if draft_dir is not None:
-            command += ["--draft", str(draft_dir), "--num_speculative_tokens", "3"]
-        command += [
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max_model_len",
-            "256",
-            # Small KV blocks let the test prompts hit the prefix cache, which every update must reset.
-            "--llm_kwargs",
-            json.dumps({"block_size": 32}),
-            "--transaction_timeout",
-            str(TRANSACTION_TIMEOUT),
-            "--max_open_transactions",
-            str(MAX_OPEN_TRANSACTIONS),
-            "--max_staged_bytes",
-            str(MAX_STAGED_BYTES),
-            "--max_chunks",
-            str(MAX_CHUNKS),
-            "--log_level",
-            "warning",
-        ]
-        self.command = command
-        self.env = {key: value for key, value in os.environ.items() if key != API_KEY_ENV}
-        if api_key is not None:
-            self.env[API_KEY_ENV] = api_key
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def new_client(self, **kwargs) -> VLLMServerClient:
-        return VLLMServerClient(self.base_url, timeout=120.0, connect_timeout=5.0, api_key=self.api_key, **kwargs)
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
-            )
-        client = self.new_client()
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"vllm-serve exited with {self.process.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                client.health()
-                return
-            except requests.ConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm-serve not ready in {STARTUP_TIMEOUT} s:\n{self.log_path.read_text()[-4000:]}")
-                time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            _stop(self.process)
-
-
 @dataclass
 class ServerHandle:
-    process: _ServerProcess
+    process: ServerProcess
     target_dir: Path
     drafts: dict[str, dict[str, torch.Tensor]]
     prompts: list[list[int]]
@@ -364,21 +281,10 @@ class ServerHandle:
         assert again.spec_decode == self.fresh_greedy.spec_decode
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (its own session), then SIGKILL if it has not exited within 30 s."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-
-
 @contextmanager
 def _serving(model_dir: Path, log_dir: Path) -> Iterator[VLLMServerClient]:
     """A server without a draft or key for one test; stopped at the end."""
-    process = _ServerProcess(model_dir, log_dir)
+    process = ServerProcess(model_dir, log_dir)
     try:
         process.start()
         yield process.new_client()
@@ -390,7 +296,7 @@ def _serving(model_dir: Path, log_dir: Path) -> Iterator[VLLMServerClient]:
 def server(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts, tmp_path_factory) -> Iterator[ServerHandle]:
     vllm_engine_pool.close()  # one vLLM engine at a time: the pool's in-process engine goes first
     log_dir = tmp_path_factory.mktemp("vllm-serve")
-    process = _ServerProcess(
+    process = ServerProcess(
         tiny_llama_dir, log_dir, draft_dir=tiny_llama_drafts.folders["reduced", "a"], api_key=API_KEY
     )
     try:
@@ -890,7 +796,7 @@ def test_trainer_survives_a_server_restart_and_stops_clearly_once_it_is_gone(ser
     real_generate = client.generate
     served: list[tuple[int, WeightsVersion]] = []
     restarts: list[int] = []
-    dead_url = f"http://127.0.0.1:{_free_port()}"
+    dead_url = f"http://127.0.0.1:{free_port()}"
 
     def generate(*args, **kwargs):
         step = trainer.state.global_step

@@ -10,6 +10,7 @@ Requests that cannot connect are sent again, with backoff, for up to `reconnect_
 folders again: the call that finds it raises `EngineRestartedError`, so that the caller pushes its weights again.
 """
 
+import functools
 import hashlib
 import math
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "API_KEY_ENV",
     "INSTANCE_HEADER",
     "SHA256_HEADER",
+    "SentChunks",
     "ServerRolloutOutput",
     "VLLMServerClient",
     "VLLMServerError",
@@ -67,6 +69,10 @@ class VLLMServerError(RuntimeError):
         super().__init__(message)
         self.status_code = status_code
 
+    def __reduce__(self):
+        # Picklable with its status (the pipeline's stages share a sync's errors as objects).
+        return functools.partial(type(self), status_code=self.status_code), self.args
+
 
 @dataclass
 class WeightsVersion:
@@ -87,6 +93,14 @@ class WeightUpdate:
     num_bytes: int
     load_seconds: float
     verify_seconds: float | None
+
+
+@dataclass
+class SentChunks:
+    """What one `send_chunks` call staged: its chunks and their bytes."""
+
+    num_chunks: int
+    num_bytes: int
 
 
 @dataclass
@@ -229,32 +243,56 @@ class VLLMServerClient:
 
         `version` (default: the server's current one plus 1) is what `weights_version` reports afterwards.
         Raises `VLLMServerError` naming the problem if the server refuses or fails; the server then keeps its
-        previous weights.
+        previous weights. The same as `begin_update`, `send_chunks` and `commit_update`, aborted on any failure.
         """
+        _check_chunk_bytes(chunk_bytes)
+        transaction_id = self.begin_update(which, version=version)
+        try:
+            sent = self.send_chunks(transaction_id, named_tensors, chunk_bytes=chunk_bytes)
+            return self.commit_update(transaction_id, num_chunks=sent.num_chunks, num_bytes=sent.num_bytes)
+        except BaseException:
+            self.abort_update(transaction_id)
+            raise
+
+    def begin_update(self, which: WeightSet, *, version: int | None = None) -> str:
+        """Open a weight-update transaction of `which` on the server; returns its id. Chunks may then come from
+        several senders (each pipeline stage its own weights, `stage_sync.sync_stages`) before one commit."""
         check_weight_set(which)
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
         begun = self._request("POST", "/weights/transactions", json={"target": which, "version": version})
-        transaction_id = begun["transaction_id"]
+        return begun["transaction_id"]
+
+    def send_chunks(
+        self,
+        transaction_id: str,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        first_index: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> SentChunks:
+        """Stage `named_tensors` in the transaction as chunks of about `chunk_bytes`, numbered from `first_index`
+        (a later sender continues where the previous one stopped). One chunk is held in memory at a time. Nothing is
+        applied before `commit_update`."""
+        _check_chunk_bytes(chunk_bytes)
         device = self._nccl_device if self._nccl_group is not None else torch.device("cpu")
         num_chunks = num_bytes = 0
-        try:
-            for index, chunk in enumerate(iter_chunks(named_tensors, chunk_bytes=chunk_bytes, device=device)):
-                if self._nccl_group is None:
-                    num_bytes += self._send_http_chunk(transaction_id, index, chunk)
-                else:
-                    num_bytes += self._send_nccl_chunk(transaction_id, index, chunk)
-                num_chunks += 1
-            if num_chunks == 0:
-                raise ValueError(f"No {which} tensors were given: an update replaces every weight.")
-            committed = self._request(
-                "POST", f"/weights/transactions/{transaction_id}/commit", json={"num_chunks": num_chunks}
-            )
-        except BaseException:
-            self._abort_quietly(transaction_id)
-            raise
+        for index, chunk in enumerate(iter_chunks(named_tensors, chunk_bytes=chunk_bytes, device=device), first_index):
+            if self._nccl_group is None:
+                num_bytes += self._send_http_chunk(transaction_id, index, chunk)
+            else:
+                num_bytes += self._send_nccl_chunk(transaction_id, index, chunk)
+            num_chunks += 1
+        return SentChunks(num_chunks=num_chunks, num_bytes=num_bytes)
+
+    def commit_update(self, transaction_id: str, *, num_chunks: int, num_bytes: int) -> WeightUpdate:
+        """Apply the transaction's chunks 0..`num_chunks`-1 (`num_bytes`: their size, reported back) as one update:
+        checked, synced and read back by the server, or refused with the previous weights kept."""
+        if num_chunks == 0:
+            raise ValueError("No tensors were sent: an update replaces every weight of its set.")
+        committed = self._request(
+            "POST", f"/weights/transactions/{transaction_id}/commit", json={"num_chunks": num_chunks}
+        )
         return WeightUpdate(
-            target=which,
+            target=committed["target"],
             version=committed["version"],
             num_tensors=committed["num_tensors"],
             num_chunks=num_chunks,
@@ -262,6 +300,16 @@ class VLLMServerClient:
             load_seconds=committed["load_seconds"],
             verify_seconds=committed["verify_seconds"],
         )
+
+    def abort_update(self, transaction_id: str) -> None:
+        """Free the server's staged chunks of a transaction that will not be committed. Quiet: a commit that was
+        reached has already discarded them (404), and an unreachable server drops them when they expire."""
+        try:
+            self._request(
+                "DELETE", f"/weights/transactions/{transaction_id}", timeout=self.connect_timeout, retry=False
+            )
+        except (requests.RequestException, VLLMServerError):
+            pass
 
     def _send_http_chunk(self, transaction_id: str, index: int, chunk: list[tuple[str, torch.Tensor]]) -> int:
         data = save_safetensors(dict(chunk))
@@ -272,15 +320,6 @@ class VLLMServerClient:
             headers={"Content-Type": "application/octet-stream", SHA256_HEADER: hashlib.sha256(data).hexdigest()},
         )
         return len(data)
-
-    def _abort_quietly(self, transaction_id: str) -> None:
-        """Free the server's staged chunks; a commit that was reached has already discarded them (404)."""
-        try:
-            self._request(
-                "DELETE", f"/weights/transactions/{transaction_id}", timeout=self.connect_timeout, retry=False
-            )
-        except (requests.RequestException, VLLMServerError):
-            pass
 
     # ----------------------------------------------------------------------------------- NCCL (GPU, untested here)
 
@@ -397,6 +436,11 @@ class VLLMServerClient:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _check_chunk_bytes(chunk_bytes: int) -> None:
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
 
 
 def iter_chunks(

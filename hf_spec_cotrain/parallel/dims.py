@@ -262,8 +262,8 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
     # stages compute log-probs only inside the pipelined step (not the old log-probs of off-step rollouts).
     generate_every = config.steps_per_generation * config.num_iterations
     eval_strategy = getattr(config.eval_strategy, "value", config.eval_strategy)
+    _check_pipeline_vllm(config)
     incompatible = {
-        "use_vllm": config.use_vllm,
         "deepspeed": deepspeed or config.deepspeed,
         "fsdp": fsdp or config.fsdp,
         "use_liger_kernel": config.use_liger_kernel,
@@ -284,8 +284,8 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         f"`pipeline_parallel_size`={size}",
         incompatible,
         f"the pipelined step computes TRL's GRPO loss (loss_type one of {', '.join(GRPO_LOSS_TYPES)}, "
-        "token-level ratios) on plain processes, with HF-native rollouts through the stages. Change them or set "
-        "`pipeline_parallel_size=1`.",
+        "token-level ratios) on plain processes, with rollouts through the stages or from a vLLM server. Change them "
+        "or set `pipeline_parallel_size=1`.",
     )
     if peft:
         raise ValueError(
@@ -296,4 +296,27 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         raise ValueError(
             "`pipeline_parallel_size` > 1 does not support tool calls: every stage must take part in each "
             "rollout turn that the last stage generates."
+        )
+
+
+def _check_pipeline_vllm(config) -> None:
+    """vLLM rollouts under pipeline parallelism: the package's server only, into which every stage pushes its own
+    weights (no rank holds the whole policy)."""
+    if not config.use_vllm:
+        return
+    size = config.pipeline_parallel_size
+    if not config.speculative_decoding:
+        raise ValueError(
+            f"`pipeline_parallel_size`={size} cannot be combined with `use_vllm=True` and `speculative_decoding=False`:"
+            " the rollouts would be TRL's own vLLM's, whose weight sync sends the whole policy from one process, and "
+            "no stage holds it. Set `speculative_decoding=True` with `vllm_mode='server'` (every stage pushes its own "
+            "weights into `hf-spec-cotrain vllm-serve`), or `use_vllm=False` (rollouts through the stages)."
+        )
+    if config.vllm_mode != "server":
+        raise ValueError(
+            f"`pipeline_parallel_size`={size} cannot be combined with `vllm_mode`={config.vllm_mode!r}: a colocated "
+            "engine holds the whole policy on one rank, and every sync reads it all back there (a second full copy), "
+            "while loading only a stage's layers is no way out (vLLM's layerwise partial reload breaks its fused "
+            "modules, such as qkv_proj and gate_up_proj). Use `vllm_mode='server'` (`hf-spec-cotrain vllm-serve`, "
+            "into which every stage pushes its own weights), or `use_vllm=False` (rollouts through the stages)."
         )

@@ -22,7 +22,13 @@ from trl.trainer.utils import pad
 
 from ..draft import Eagle3DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
-from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
+from ..generation.engine import (
+    EngineRestartedError,
+    EngineUnavailableError,
+    RolloutEngine,
+    SpecDecodeStats,
+    WeightSyncError,
+)
 from ..generation.pipelined import PipelinedTarget
 from ..generation.speculative import SpeculativeOutput, check_speculative_target, speculative_generate
 from .draft_cotraining import seeded_generator
@@ -84,6 +90,10 @@ class SpeculativeRollouts:
         # Under pipeline parallelism, the policy's stages (`PipelinedTarget`): HF-native turns run through them.
         self.pipeline: PipelinedTarget | None = None
         self._engine_synced_step = -1
+        # Under pipeline parallelism: why this step's push from the stages failed, and whether the last stage's rollout
+        # request met a restarted server since the last push.
+        self._push_error: str | None = None
+        self._restart_seen = False
         self._engine_calls = 0
         self._fallbacks_in_a_row = 0
         self.step_times = step_times or StepTimes(metrics)
@@ -264,11 +274,17 @@ class SpeculativeRollouts:
 
     def vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
         """Rollouts from the vLLM engine, after pushing this step's policy and draft into it (once per step, and again
-        after the engine restarted)."""
+        after the engine restarted; under pipeline parallelism the stages pushed them before the turn,
+        `push_stages`)."""
         try:
             try:
                 return self._vllm_turn(prompt_ids, step=step, training=training)
             except EngineRestartedError as restarted:
+                if self.pipeline is not None:  # the stages push together, before the next turn: plain until then
+                    self._restart_seen, self._push_error = True, f"the server restarted since: {restarted}"
+                    raise WeightSyncError(
+                        f"{restarted} The stages push their weights again before the next turn."
+                    ) from restarted
                 if self.engine.shared_across_processes and self.accelerator.num_processes > 1:
                     raise EngineRestartedError(
                         f"{restarted} {self.accelerator.num_processes} training processes share this server and "
@@ -279,12 +295,22 @@ class SpeculativeRollouts:
                 self._engine_synced_step = -1
                 return self._vllm_turn(prompt_ids, step=step, training=training)
         except EngineUnavailableError as error:
-            raise EngineUnavailableError(
-                f"{error} Training stopped at step {step}; the checkpoints in {self.args.output_dir} are as saved. "
-                "Once the server is back, resume with resume_from_checkpoint=True."
-            ) from error
+            raise self._stopped(error, step) from error
+
+    def _stopped(self, error: EngineUnavailableError, step: int) -> EngineUnavailableError:
+        """The error that stops the run once the engine cannot be reached, saying how to resume."""
+        return EngineUnavailableError(
+            f"{error} Training stopped at step {step}; the checkpoints in {self.args.output_dir} are as saved. "
+            "Once the server is back, resume with resume_from_checkpoint=True."
+        )
 
     def _vllm_turn(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> tuple[list[list[int]], None]:
+        if self.pipeline is not None and (step != self._engine_synced_step or self._restart_seen):
+            # The stages' push (`push_stages`) failed, or the server restarted since: plain pipelined rollouts.
+            raise WeightSyncError(
+                f"The rollout server does not hold step {step}'s weights ({self._push_error}); the policy and the "
+                "draft are untouched."
+            )
         if step != self._engine_synced_step:
             with self.step_times.measure("weight_sync"):
                 self.sync_engine()
@@ -334,6 +360,54 @@ class SpeculativeRollouts:
             engine.sync_weights("draft", self.draft.state_dict().items())
         if engine.shared_across_processes:
             self.accelerator.wait_for_everyone()
+
+    def push_stages(self, step: int) -> None:
+        """Under pipeline parallelism, on every stage before the turn: each stage pushes its own weights into the
+        server, and the last one the draft, each set as one transaction (`sync_stages`), once per step. A failed push
+        (the same on every stage) is kept for the turn, which then falls back to plain rollouts through the stages
+        (logged, ``spec/fallback``); a server that restarted gets both pushed again; one out of reach stops the run
+        on every stage."""
+        from ..generation.stage_sync import on_one_stage  # with the server's client, which needs the vLLM extra
+
+        # Whether the last stage's rollout request met a restarted server since the last push, on every stage.
+        restart_seen = on_one_stage(lambda: self._restart_seen, src=self.pipeline.driver, group=self.pipeline.group)
+        if step == self._engine_synced_step and not restart_seen:
+            return
+        self._restart_seen = False
+        self._push_error = None
+        try:
+            with self.step_times.measure("weight_sync"):
+                try:
+                    self._push_stage_weights()
+                except EngineRestartedError as restarted:
+                    if self.pipeline.is_driver:
+                        logger.warning(f"{restarted} The stages push the policy and the draft again.")
+                    self._follow_restart()
+                    self._push_stage_weights()
+        except EngineUnavailableError as error:
+            raise self._stopped(error, step) from error
+        except Exception as error:
+            self._push_error = f"{type(error).__name__}: {error}"
+            return
+        self._engine_synced_step = step
+
+    def _push_stage_weights(self) -> None:
+        from ..generation.stage_sync import sync_stages
+
+        group = self.pipeline.group
+        with self.policy_weights() as weights:
+            sync_stages(self.engine, "policy", weights, group=group)
+        draft = self.draft.state_dict().items() if self.pipeline.is_driver else []
+        sync_stages(self.engine, "draft", draft, group=group)
+
+    def _follow_restart(self) -> None:
+        """Let this stage's client take the restarted server's instance (the stage that met it first already did).
+        Raises nothing, so that every stage goes on to the push together: any problem with the server meets the push,
+        which shares it with every stage."""
+        try:
+            self.engine.health()
+        except Exception:
+            pass
 
     @contextmanager
     def policy_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -294,9 +294,10 @@ class PipelineParallelStep(TrainingStepStrategy):
         )
 
     def generate_for_all_ranks(self, prompt_ids, images, multimodal_fields, num_generations, generate_here):
-        """The last stage generates every rank's rollouts through the pipeline, with the draft it trains, while the
-        other stages serve its forwards (``generate_here``: the trainer's generation on this process, run there).
-        Every rank gets its own rows, and the turn's ``spec/*`` metrics, so that every rank logs them."""
+        """The last stage generates every rank's rollouts through the pipeline, with the draft it trains, or requests
+        them from the vLLM server, while the other stages serve its forwards (``generate_here``: the trainer's
+        generation on this process, run there). Every rank gets its own rows, and the turn's ``spec/*`` metrics, so
+        that every rank logs them."""
         trainer = self.trainer
         if images is not None or multimodal_fields:
             raise ValueError("Pipeline parallelism supports text-only rollouts.")

@@ -211,13 +211,15 @@ def run_parallel_and_single(
     *,
     variant: str | None = None,
     nproc: int = 2,
+    env: dict[str, str] | None = None,
 ) -> tuple[list[dict], dict]:
-    """The `nproc` ranks' records of `script` under torchrun in `mode`, and the record of `run` in this process
-    ("single"); a `variant` is passed to both as a suffix of the mode (``"pp-bnpo"``, ``"single-bnpo"``)."""
+    """The `nproc` ranks' records of `script` under torchrun in `mode` (`env` added to their environment), and the
+    record of `run` in this process ("single"); a `variant` is passed to both as a suffix of the mode (``"pp-bnpo"``,
+    ``"single-bnpo"``)."""
     suffix = "" if variant is None else f"-{variant}"
     mode = mode + suffix
     out_dir = tmp_path / mode
-    run_torchrun(script, policy_dir, out_dir, mode, log=out_dir.with_suffix(".log"), nproc=nproc)
+    run_torchrun(script, policy_dir, out_dir, mode, log=out_dir.with_suffix(".log"), nproc=nproc, env=env)
     parallel = [torch.load(out_dir / f"{mode}{rank}.pt") for rank in range(nproc)]
     threads = torch.get_num_threads()
     try:

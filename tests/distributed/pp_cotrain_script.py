@@ -58,13 +58,9 @@ def held_bytes(trainer) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def run(policy_dir: str, out_dir: str, mode: str) -> dict:
-    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type` or a
-    name of `VARIANTS`."""
-    mode, _, variant = mode.partition("-")
-    options = VARIANTS.get(variant, {"loss_type": variant or "dapo"})
-    stages = PIPELINE_STAGES.get(variant, 2) if mode == "pp" else 1
-    config = equality_run_config(
+def run_config(out_dir: str, stages: int, **options):
+    """The equality runs' config for `stages` pipeline stages (1: one plain process) on the same 8 rows."""
+    return equality_run_config(
         out_dir,
         per_device_train_batch_size=8 // stages,
         num_speculative_tokens=2,
@@ -73,6 +69,15 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         pipeline_num_microbatches=4,
         **options,
     )
+
+
+def run(policy_dir: str, out_dir: str, mode: str) -> dict:
+    """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type` or a
+    name of `VARIANTS`."""
+    mode, _, variant = mode.partition("-")
+    options = VARIANTS.get(variant, {"loss_type": variant or "dapo"})
+    stages = PIPELINE_STAGES.get(variant, 2) if mode == "pp" else 1
+    config = run_config(out_dir, stages, **options)
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))
     return {**record, "generated": trainer.generated, "held_bytes": held_bytes(trainer)}
