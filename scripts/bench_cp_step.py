@@ -50,7 +50,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="shard x cp")
     parser.add_argument("--steps", type=int, default=1, help="measured steps (after one warm-up step)")
-    parser.add_argument("--num_layers", type=int, default=3, help="decoder layers of the tiny policy")
+    parser.add_argument(
+        "--num_layers", type=int, default=3, help="decoder layers of the tiny policy (at least 3: the draft's taps)"
+    )
     parser.add_argument(
         "--warmup_length", type=int, default=1024, help="tokens per row of the warm-up step (at most the least L)"
     )
@@ -62,6 +64,11 @@ def make_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.num_layers < 3:
+        parser.error(
+            f"--num_layers {args.num_layers}: the draft taps 3 distinct layers (the first, the middle and the last); "
+            "pass at least 3."
+        )
     if not args.worker and args.warmup_length > min(args.lengths):
         parser.error(
             f"--warmup_length {args.warmup_length} exceeds the least of --lengths ({min(args.lengths)}): the warm-up "
@@ -75,7 +82,7 @@ def _sizes(config: str) -> tuple[int, int]:
     return int(shard), int(cp)
 
 
-def worker(config: str, length: int, warmup_length: int, folder: Path, steps: int) -> None:
+def worker(config: str, length: int, warmup_length: int, folder: Path, steps: int, num_layers: int) -> None:
     """One rank of one configuration under torchrun: train 1 + `steps` steps (the first on rows of `warmup_length`
     tokens, the others of `length`), write this rank's measurements."""
     import torch
@@ -143,6 +150,7 @@ def worker(config: str, length: int, warmup_length: int, folder: Path, steps: in
         save_draft=False,
         speculative_decoding=False,
         ttt_steps=3,
+        aux_layer_ids=[0, num_layers // 2, num_layers - 1],  # EAGLE-3's defaults need 7 layers
         ttt_gradient_checkpointing=True,
         disable_tqdm=True,
         **parallel,
@@ -162,14 +170,20 @@ def worker(config: str, length: int, warmup_length: int, folder: Path, steps: in
     (folder / f"rank{rank}.json").write_text(json.dumps(meter.rows[1:]))
 
 
-def measure(config: str, length: int, warmup_length: int, root: Path, steps: int) -> dict[str, float]:
+def measure(config: str, length: int, warmup_length: int, root: Path, steps: int, num_layers: int) -> dict[str, float]:
     """Run one configuration at one length; the maximum over ranks and measured steps of each column."""
     shard, cp = _sizes(config)
     folder = root / f"{config}-{length}"
     folder.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(shard * cp), "--master_port"]
-    command += [str(29500 + (os.getpid() + len(list(root.iterdir()))) % 1000), __file__, "--steps", str(steps)]
-    command += ["--worker", config, str(length), str(warmup_length), str(folder)]
+    command += [
+        str(29500 + (os.getpid() + len(list(root.iterdir()))) % 1000),
+        __file__,
+        "--steps",
+        str(steps),
+        "--num_layers",
+    ]
+    command += [str(num_layers), "--worker", config, str(length), str(warmup_length), str(folder)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
     with (folder / "log.txt").open("w") as log:
         returncode = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -183,7 +197,7 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         config, length, warmup_length, folder = args.worker
-        worker(config, int(length), int(warmup_length), Path(folder), args.steps)
+        worker(config, int(length), int(warmup_length), Path(folder), args.steps, args.num_layers)
         return
     from hf_spec_cotrain.testing import save_tiny_target
 
@@ -204,7 +218,7 @@ def main() -> None:
         runs.mkdir()
         for n in args.lengths:
             for c in args.configs:
-                results[c, n] = measure(c, n, args.warmup_length, runs, args.steps)
+                results[c, n] = measure(c, n, args.warmup_length, runs, args.steps, args.num_layers)
                 print(f"{c} at L = {n}: {results[c, n]}", flush=True)
                 if args.json:
                     rows = [{"config": c, "length": n, **row} for (c, n), row in results.items()]
@@ -220,6 +234,8 @@ def print_tables(results: dict, lengths: list[int], configs: list[str]) -> None:
         memory = " | ".join(f"{row[key] / 2**20:.1f}" for key in MEMORY)
         print(f"| {n} | ({', '.join(c.split('x'))}) | {memory} | {row['cpu']:.1f} | {row['wall']:.1f} |")
     ratios = [(a, b) for a, b in RATIOS if a in configs and b in configs]
+    if not ratios:
+        return
     print("\n| L | " + " | ".join(f"{a} / {b} whole | step" for a, b in ratios) + " |")
     print("|---|" + "---|---|" * len(ratios))
     for n in lengths:
