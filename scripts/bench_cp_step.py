@@ -14,7 +14,8 @@ Memory, per rank, in three columns (each the maximum over the ranks):
 * ``states``: the run-long parameters and optimizer states of the policy, the reference model and the draft
   (`storage_bytes` at the step's start: an FSDP2-sharded tensor counts as its local shard). Gradients are not
   among them: the Trainer and the draft's update set them to None after every step, so they are in ``step``. Not
-  counted: the draft's last good copy (a host copy on an accelerator; as large as the draft's states).
+  counted: DDP's gradient buckets (a copy of the policy's parameters; none under FSDP2) and the draft's last good
+  copy (host memory on an accelerator).
 * ``step``: the peak resident set over the step (VmHWM, reset at the step's start) minus the resident set then
   (scripts/bench_cp.py explains the method; children run with `MALLOC_MMAP_THRESHOLD_=65536`).
 * ``whole``: states + step, a rank's peak of both.
