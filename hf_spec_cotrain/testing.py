@@ -40,6 +40,7 @@ __all__ = [
     "build_pass_through_draft",
     "build_tiny_target",
     "save_tiny_target",
+    "storage_bytes",
 ]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_next")
@@ -312,3 +313,39 @@ def build_pass_through_draft(target: PreTrainedModel, *, seed: int, noise: float
             else:
                 param.copy_(noise * values / param.shape[1] ** 0.5)
     return draft
+
+
+def storage_bytes(*items) -> int:
+    """Bytes of the distinct storages behind `items` on this process: what a rank holds of them.
+
+    Each item is a tensor, a module (its parameters, their gradients where set, its buffers), an optimizer (the
+    tensors of its state) or an iterable of these. A DTensor (an FSDP2-sharded parameter, its gradient and optimizer
+    state) counts its local shard only, padding included; a storage that several tensors share (views, tied weights)
+    counts once. Benchmarks and tests count a rank's run-long memory with it, which the resident set cannot
+    separate from the libraries and the activations of the moment.
+    """
+    from torch.distributed.tensor import DTensor
+
+    storages: dict[int, int] = {}
+
+    def add(item) -> None:
+        if isinstance(item, DTensor):
+            add(item.to_local())
+        elif isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.nbytes():  # FSDP2's freed unsharded parameters keep an empty storage
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, torch.nn.Module):
+            for param in item.parameters():
+                add(param)
+                if param.grad is not None:
+                    add(param.grad)
+            add(item.buffers())
+        elif isinstance(item, torch.optim.Optimizer):
+            add(value for state in item.state.values() for value in state.values() if isinstance(value, torch.Tensor))
+        else:
+            for element in item:
+                add(element)
+
+    add(items)
+    return sum(storages.values())

@@ -11,6 +11,7 @@ from hf_spec_cotrain.testing import (
     build_char_tokenizer,
     build_tiny_target,
     save_tiny_target,
+    storage_bytes,
 )
 
 
@@ -132,3 +133,19 @@ def test_tiny_target_rejects_bad_arguments():
         build_tiny_target("qwen2", hidden_size=256)
     with pytest.raises(ValueError, match="vocab_size=10"):
         build_tiny_target("llama", vocab_size=10)
+
+
+def test_storage_bytes_counts_each_storage_once():
+    weight = torch.zeros(6, 4)
+    assert storage_bytes(weight, weight[:2], [weight.t()]) == 6 * 4 * 4  # views share the storage
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied
+    model.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+    assert storage_bytes(model) == 10 * 4 * 4 + 3 * 8
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    # The parameter, its gradient and its momentum, the buffer.
+    assert storage_bytes(model, optimizer) == 3 * 10 * 4 * 4 + 3 * 8
+    model.zero_grad(set_to_none=True)
+    assert storage_bytes(model, optimizer) == 2 * 10 * 4 * 4 + 3 * 8

@@ -12,10 +12,10 @@ the generating rank here, so both runs sample their first rollouts, from the sam
 
 from pathlib import Path
 
-import torch
 from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.testing import storage_bytes
 from hf_spec_cotrain.training import rollouts
 
 
@@ -52,10 +52,7 @@ PIPELINE_STAGES = {"4stages": 4}
 def held_bytes(trainer) -> int:
     """Bytes of the trained policy's parameters and optimizer state on this process (distinct storages): under
     pipeline parallelism, the stage's."""
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    states = [v for state in trainer.optimizer.state_dict()["state"].values() for v in state.values()]
-    tensors = [*policy.parameters(), *(v for v in states if isinstance(v, torch.Tensor) and v.dim() > 0)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return storage_bytes(trainer.accelerator.unwrap_model(trainer.model).parameters(), trainer.optimizer)
 
 
 def run_config(out_dir: str, stages: int, **options):
