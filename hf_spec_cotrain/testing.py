@@ -7,6 +7,8 @@ biases included, differs from its default initialisation (weight-sync tests see 
 """
 
 import string
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_pass_through_draft",
     "build_tiny_target",
+    "recorded_checkpoint_reads",
     "save_tiny_target",
     "storage_bytes",
 ]
@@ -313,6 +316,55 @@ def build_pass_through_draft(target: PreTrainedModel, *, seed: int, noise: float
             else:
                 param.copy_(noise * values / param.shape[1] ** 0.5)
     return draft
+
+
+@contextmanager
+def recorded_checkpoint_reads() -> Iterator[list[str]]:
+    """The names of the safetensors tensors that transformers' ``from_pretrained`` reads inside the block, one entry
+    per read: what a loader really takes from disk (opening a file or a tensor's slice reads no data; indexing the
+    slice does)."""
+    from transformers import modeling_utils
+
+    reads: list[str] = []
+    safe_open = modeling_utils.safe_open
+
+    class RecordingSlice:
+        def __init__(self, name, tensor_slice):
+            self.name, self.tensor_slice = name, tensor_slice
+
+        def __getitem__(self, index):
+            reads.append(self.name)
+            return self.tensor_slice[index]
+
+        def __getattr__(self, attribute):
+            return getattr(self.tensor_slice, attribute)
+
+    class RecordingFile:
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.file.get_tensor(name)
+
+        def get_slice(self, name):
+            return RecordingSlice(name, self.file.get_slice(name))
+
+        def __getattr__(self, attribute):
+            return getattr(self.file, attribute)
+
+    modeling_utils.safe_open = RecordingFile
+    try:
+        yield reads
+    finally:
+        modeling_utils.safe_open = safe_open
 
 
 def storage_bytes(*items) -> int:

@@ -32,6 +32,8 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.data_utils import apply_chat_template, is_conversational
 from trl.models import unwrap_model_for_generation
+from trl.trainer.callbacks import SyncRefModelCallback
+from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
@@ -51,11 +53,24 @@ from .training.checkpoints import (
 )
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback, RecordedTaps
 from .training.rollouts import RolloutSampling, SpeculativeRollouts, build_rollout_engine
-from .training.steps import ContextParallelStep, PipelineParallelStep
+from .training.steps import ContextParallelStep, PipelineParallelStep, load_pipeline_stage
 from .training.timing import StepTimes, StepTimesCallback
 
 
 logger = logging.get_logger(__name__)
+
+
+@contextmanager
+def _hidden_from(args, values: dict):
+    """`args` with `values` in place of its own fields for the duration (TRL's __init__), restored after."""
+    saved = {name: getattr(args, name) for name in values}
+    for name, value in values.items():
+        setattr(args, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
 
 
 class SpecCoTrainGRPOTrainer(GRPOTrainer):
@@ -82,15 +97,32 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 f"`args` is a {type(args).__name__}; SpecCoTrainGRPOTrainer needs a SpecCoTrainConfig (it adds the "
                 "draft and speculative-rollout options to GRPOConfig)."
             )
+        # Options TRL's __init__ must not see as they are (restored after it).
+        hidden_from_trl = {}
         # With speculative vLLM rollouts the package owns the engine (it also holds the draft): keep TRL from
         # building a plain one first, since two engines must never coexist.
         speculative_vllm = args.use_vllm and args.speculative_decoding
         if speculative_vllm:
-            args.use_vllm = False
-        try:
+            hidden_from_trl["use_vllm"] = False
+        # Under pipeline parallelism each rank loads only its stage of the policy and of the reference model: TRL
+        # would load both whole on every rank.
+        reference_stage = args.pipeline_parallel_size > 1 and args.beta != 0.0
+        if args.pipeline_parallel_size > 1:
+            if isinstance(model, str):
+                model = load_pipeline_stage(model, args)
+                hidden_from_trl["model_init_kwargs"] = None  # used by the stage's load
+            else:
+                logger.warning(
+                    "pipeline_parallel_size > 1 with a policy passed already built: every rank holds the whole "
+                    "policy until its stage is cut out. Pass its name or path to load only each rank's stage."
+                )
+        if reference_stage:
+            hidden_from_trl.update(beta=0.0, sync_ref_model=False)
+        with _hidden_from(args, hidden_from_trl):
             super().__init__(model, reward_funcs, args, **kwargs)
-        finally:
-            args.use_vllm = args.use_vllm or speculative_vllm
+        if reference_stage:
+            self.beta = args.beta
+            self.ref_model = self._load_reference_stage()
         self.parallel_dims = ParallelDims.from_config(
             args,
             world_size=self.accelerator.num_processes,
@@ -159,6 +191,22 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         elif self.parallel_dims.pp_enabled:
             self.parallel_step = PipelineParallelStep(self)
 
+    def _load_reference_stage(self):
+        """This rank's stage of the reference model, prepared as TRL prepares its whole one."""
+        policy = self._policy()
+        reference = load_pipeline_stage(
+            get_config_model_id(policy.config),
+            self.args,
+            dtype=policy.dtype,
+            attn_implementation=policy.config._attn_implementation,
+        )
+        if self.args.disable_dropout:
+            disable_dropout_in_model(reference)
+        reference = self.accelerator.prepare_model(reference, evaluation_mode=True)
+        if self.args.sync_ref_model:
+            self.add_callback(SyncRefModelCallback(ref_model=reference, accelerator=self.accelerator))
+        return reference
+
     def _shard_with_fsdp2(self, mesh) -> None:
         """FSDP2 of the policy (and of the reference model) over `mesh` where accelerate dropped FSDP (on CPU);
         accelerate then leaves the sharded policy as it is, rather than wrapping it in DDP."""
@@ -194,6 +242,10 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     def _build_draft(self, draft_model: Eagle3DraftModel | None) -> Eagle3DraftModel:
         args = self.args
         policy = self._policy()
+        # Every rank starts from the source's draft. A fresh draft's lm_head starts from the policy's, which under
+        # pipeline parallelism only the last stage holds: that stage builds it and sends its config to the others.
+        source = self.accelerator.num_processes - 1 if self.parallel_dims.pp_enabled else 0
+        sent_config = draft_model is None and args.draft_model_name_or_path is None and self.parallel_dims.pp_enabled
         # A private RNG stream: building the draft must not change the policy run's sampling.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
@@ -201,7 +253,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 draft = draft_model
             elif args.draft_model_name_or_path is not None:
                 draft = Eagle3DraftModel.from_pretrained(args.draft_model_name_or_path)
-            else:
+            elif not sent_config or self.accelerator.process_index == source:
                 counts = self._prompt_token_counts() if args.draft_vocab_size is not None else None
                 draft = Eagle3DraftModel.from_target(
                     policy,
@@ -210,12 +262,17 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                     draft_vocab_size=args.draft_vocab_size,
                     token_counts=counts,
                 )
+            if sent_config:
+                config = [draft.config if self.accelerator.process_index == source else None]
+                dist.broadcast_object_list(config, src=source)
+                if self.accelerator.process_index != source:
+                    draft = Eagle3DraftModel(config[0])
         draft.bind_target(policy)
         draft.to(device=self.accelerator.device, dtype=torch.float32)  # fp32 master weights for a small head
         draft.train()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for tensor in [*draft.parameters(), *draft.buffers()]:  # every rank starts from rank 0's draft
-                dist.broadcast(tensor.data, src=0)
+            for tensor in [*draft.parameters(), *draft.buffers()]:
+                dist.broadcast(tensor.data, src=source)
         return draft
 
     def _prompt_token_counts(self) -> torch.Tensor:

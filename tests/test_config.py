@@ -169,6 +169,8 @@ PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_ge
         ({"speculative_decoding": False, "repetition_penalty": 1.1}, "'repetition_penalty=1.1'"),
         ({"speculative_decoding": False, "min_p": 0.1}, "'min_p=0.1'"),
         ({"use_transformers_continuous_batching": True}, "'use_transformers_continuous_batching'"),
+        # The stages compute the logits in the policy's dtype; only the last one holds the head.
+        ({"cast_lm_head_to_fp32": True}, "'cast_lm_head_to_fp32'"),
     ],
 )
 def test_config_rejects_pipeline_options_it_cannot_honour(options, named):

@@ -10,7 +10,8 @@ shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's 
 `all_reduce_gradients` is the reduction the caller applies to the draft's gradients after a context-parallel
 `ttt_loss`. The ring attention itself is `hf_spec_cotrain.attention.branch_attention(..., cp_group=...)`.
 
-`stage_layer_ranges`, `stream_pipeline_weights` and `TapChannel` are the pipeline's pieces (the co-training step
+`stage_layer_ranges`, `pipeline_stage_class` (a model class that loads one stage of a checkpoint),
+`stream_pipeline_weights` and `TapChannel` are the pipeline's pieces (the co-training step
 that uses them is `hf_spec_cotrain.training.pipeline_step.PipelineCoTrainStep`). Those names, and `ParallelDims`
 (which reads the pipeline's schedules), are imported lazily: the pipeline pulls in transformers and
 `torch.distributed.pipelining`, which context parallelism does not need.
@@ -46,6 +47,7 @@ __all__ = [
     "pack_rows",
     "pad_documents",
     "policy_log_probs",
+    "pipeline_stage_class",
     "stage_layer_ranges",
     "stream_pipeline_weights",
     "zigzag_bounds",
@@ -61,6 +63,7 @@ _MODULE_OF = {
     "apply_fsdp2": "fsdp",
     "TapChannel": "tap_channel",
     "TapMismatchError": "tap_channel",
+    "pipeline_stage_class": "pipeline",
     "stage_layer_ranges": "pipeline",
     "stream_pipeline_weights": "pipeline",
 }
@@ -68,7 +71,7 @@ _MODULE_OF = {
 if TYPE_CHECKING:
     from .dims import ParallelDims
     from .fsdp import apply_fsdp2
-    from .pipeline import stage_layer_ranges, stream_pipeline_weights
+    from .pipeline import pipeline_stage_class, stage_layer_ranges, stream_pipeline_weights
     from .tap_channel import TapChannel, TapMismatchError
 
 

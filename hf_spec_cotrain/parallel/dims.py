@@ -267,6 +267,7 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         "deepspeed": deepspeed or config.deepspeed,
         "fsdp": fsdp or config.fsdp,
         "use_liger_kernel": config.use_liger_kernel,
+        "cast_lm_head_to_fp32": config.cast_lm_head_to_fp32,
         "draft_bf16=True": config.draft_bf16 is True,
         f"loss_type={config.loss_type!r}": config.loss_type not in GRPO_LOSS_TYPES,
         f"importance_sampling_level={config.importance_sampling_level!r}": config.importance_sampling_level != "token",

@@ -9,12 +9,14 @@ callback (the ``"channel"`` transport: a `TapChannel` sends them to the draft's 
 activations (``"relay"``: every stage forwards the taps of earlier stages plus its own).
 """
 
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 from ..taps import decoder_of
@@ -29,6 +31,7 @@ __all__ = [
     "StageModule",
     "cut_model_to_stage",
     "min_microbatches",
+    "pipeline_stage_class",
     "stage_layer_ranges",
     "stream_pipeline_weights",
 ]
@@ -71,18 +74,59 @@ def stage_layer_ranges(num_layers: int, num_stages: int, layers_per_stage: Seque
     return [range(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
 
-def cut_model_to_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) -> None:
+def cut_model_to_stage(model: nn.Module, layers: range, *, is_first: bool, is_last: bool) -> list[str]:
     """Cut `model` in place to one stage: other stages' modules become identity placeholders (names and
-    per-layer attention types keep their global indices)."""
+    per-layer attention types keep their global indices). Returns the names of the modules it replaced."""
     decoder = decoder_of(model)
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    prefix = f"{prefix}." if prefix else ""
+    cut = []
     for index in range(len(decoder.layers)):
         if index not in layers:
             decoder.layers[index] = PipelineIdentityLayer()
+            cut.append(f"{prefix}layers.{index}")
     if not is_first:
         decoder.embed_tokens = PipelineIdentityLayer()
+        cut.append(f"{prefix}embed_tokens")
     if not is_last:
         decoder.norm = PipelineIdentityLayer()
         model.lm_head = PipelineIdentityLayer()
+        cut += [f"{prefix}norm", "lm_head"]
+    return cut
+
+
+def pipeline_stage_class(
+    config: PreTrainedConfig,
+    stage_index: int,
+    num_stages: int,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    trust_remote_code: bool = False,
+) -> type[PreTrainedModel]:
+    """The causal-LM class of `config`, cut to stage `stage_index` of `num_stages` as it is built.
+
+    Its ``from_pretrained`` builds the model on the meta device as usual, cut, so the loader finds no parameter for
+    the other stages' checkpoint tensors and leaves them unread (and unreported): a process never holds more of the
+    model than its stage. Non-persistent buffers (rotary frequencies) are computed as in any load.
+    """
+    ranges = stage_layer_ranges(config.get_text_config().num_hidden_layers, num_stages, layers_per_stage)
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"`stage_index`={stage_index} is not a stage of {num_stages}: use 0 to {num_stages - 1}.")
+    layers = ranges[stage_index]
+    with torch.device("meta"):  # the class transformers' auto-loading picks, without allocating the model
+        architecture = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+
+    def __init__(self, config, *args, **kwargs):
+        architecture.__init__(self, config, *args, **kwargs)
+        cut = cut_model_to_stage(self, layers, is_first=stage_index == 0, is_last=stage_index == num_stages - 1)
+        skipped = {rf"(^|\.){re.escape(name)}\." for name in cut}
+        self._keys_to_ignore_on_load_unexpected = set(self._keys_to_ignore_on_load_unexpected or ()) | skipped
+
+    return type(
+        architecture.__name__,
+        (architecture,),
+        {"__init__": __init__, "__module__": architecture.__module__, "__doc__": architecture.__doc__},
+    )
 
 
 class StageModule(nn.Module):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import gather, is_peft_model
 from torch import nn
 from transformers.utils import logging
@@ -125,6 +126,10 @@ class SpeculativeRollouts:
             return
         with self.policy_weights() as weights:
             shapes = [(name, tensor.shape) for name, tensor in weights]
+        if self.generates_for_all_ranks:  # pipeline parallelism: each rank holds its stage, the engine all of them
+            stages = [None] * dist.get_world_size()
+            dist.all_gather_object(stages, shapes)
+            shapes = [named_shape for stage in stages for named_shape in stage]
         try:
             self.engine.check_weights("policy", shapes)
         except ValueError as error:

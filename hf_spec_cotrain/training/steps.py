@@ -11,11 +11,15 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from trl.trainer.utils import pad
+from accelerate import PartialState
+from transformers import AutoConfig, PreTrainedModel
+from trl.trainer.utils import create_model_from_path, pad
 
 from ..attention.hf_adapter import zigzag_ring_attention
 from ..generation.pipelined import PipelinedTarget
+from ..parallel.dims import ParallelDims
 from ..parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
+from ..parallel.pipeline import pipeline_stage_class
 from .draft_cotraining import RecordedTaps
 from .pipeline_step import GRPOBatch, PipelineCoTrainStep, grpo_loss_normalizer
 
@@ -189,12 +193,30 @@ class ContextParallelStep(TrainingStepStrategy):
         return logps, entropies if compute_entropy else None, None
 
 
+def load_pipeline_stage(name_or_path: str, args, **defaults) -> PreTrainedModel:
+    """This process's stage of the causal LM `name_or_path` (its rank is its stage), loaded the way TRL loads the
+    whole model (`create_model_from_path` with ``args.model_init_kwargs``, then `defaults` where those leave a key
+    unset) but reading only the stage's tensors from the checkpoint (`pipeline_stage_class`)."""
+    state = PartialState()
+    ParallelDims(args.context_parallel_size, args.pipeline_parallel_size, world_size=state.num_processes)  # checks
+    kwargs = {**defaults, **(args.model_init_kwargs or {})}
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs["device_map"] = None  # one stage per process, which the Trainer places on the process's device
+    config = AutoConfig.from_pretrained(
+        name_or_path, trust_remote_code=kwargs["trust_remote_code"], revision=kwargs.get("revision")
+    )
+    architecture = pipeline_stage_class(
+        config, state.process_index, args.pipeline_parallel_size, trust_remote_code=kwargs["trust_remote_code"]
+    )
+    return create_model_from_path(name_or_path, architecture=architecture, **kwargs)
+
+
 class PipelineParallelStep(TrainingStepStrategy):
     """All ranks' rows as one batch through the pipeline; the last stage generates every rollout through it.
 
-    Every rank loaded the full policy; `PipelineCoTrainStep` cuts it in place, so the optimizer (built later by the
-    Trainer) holds this stage's parameters only. No rank holds the whole policy after that: the last stage, which
-    holds the draft, drives every rank's rollouts while the other stages serve its forwards (`PipelinedTarget`), and
+    Each rank loaded only its stage of the policy (`load_pipeline_stage`; a policy passed already built is cut in
+    place by `PipelineCoTrainStep`), so the optimizer (built later by the Trainer) holds this stage's parameters only
+    and no rank ever holds the whole policy: the last stage, which holds the draft, drives every rank's rollouts while the other stages serve its forwards (`PipelinedTarget`), and
     every stage saves its own shard of the policy (the trainer's `save_model`). The draft trains, and is saved, on the
     last stage.
 

@@ -3,7 +3,7 @@
 variant) or in one plain process on the same 8 rows ("single"); records what `cotrain_cases.record_training`
 records (see cotrain_cases.py for the runs), the completions each generation really produced, and the bytes of the
 policy and its optimizer state held here. After training both modes save the policy to `<out_dir>/final` (under
-pipeline parallelism: every stage writes its shard).
+pipeline parallelism: every stage writes its shard). Every run records the names of the checkpoint tensors it read.
 
 Rollouts really run (speculative: under pipeline parallelism the last stage drives them through the stages) but are
 then replaced by the fixed completions, so both runs train on the same rows. Their random numbers do not depend on
@@ -15,7 +15,7 @@ from pathlib import Path
 from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
-from hf_spec_cotrain.testing import storage_bytes
+from hf_spec_cotrain.testing import recorded_checkpoint_reads, storage_bytes
 from hf_spec_cotrain.training import rollouts
 
 
@@ -75,9 +75,15 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     options = VARIANTS.get(variant, {"loss_type": variant or "dapo"})
     stages = PIPELINE_STAGES.get(variant, 2) if mode == "pp" else 1
     config = run_config(out_dir, stages, **options)
-    trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
+    with recorded_checkpoint_reads() as tensors_read:
+        trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))
-    return {**record, "generated": trainer.generated, "held_bytes": held_bytes(trainer)}
+    return {
+        **record,
+        "generated": trainer.generated,
+        "held_bytes": held_bytes(trainer),
+        "tensors_read": tensors_read,
+    }
 
 
 if __name__ == "__main__":

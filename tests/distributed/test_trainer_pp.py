@@ -32,6 +32,14 @@ def only(tensors: dict, names) -> dict:
     return {name: tensors[name] for name in names}
 
 
+def assert_each_stage_read_its_own_tensors(pp: list[dict], single: dict, *, models: int = 1) -> None:
+    """Each rank read the checkpoint tensors of its stage alone, each once per model loaded (the policy, and the
+    reference with `beta` > 0), while the single process read every tensor once per model."""
+    assert sorted(single["tensors_read"]) == sorted(list(single["policy_params"]) * models)
+    for record in pp:
+        assert sorted(record["tensors_read"]) == sorted(list(record["policy_params"]) * models), record["rank"]
+
+
 def assert_stages_equal_the_single_process(pp: list[dict], single: dict, saved_policy: Path) -> None:
     """What every pipelined trainer run must reproduce of the single process's steps."""
     assert_single_run_learned(pp, single)
@@ -41,6 +49,7 @@ def assert_stages_equal_the_single_process(pp: list[dict], single: dict, saved_p
     assert sum(map(len, stage_names)) == len(set().union(*stage_names)) == len(single["policy_params"])
     assert set().union(*stage_names) == set(single["policy_params"])
     assert "model.embed_tokens.weight" in stage_names[0] and "lm_head.weight" in stage_names[-1]
+    assert_each_stage_read_its_own_tensors(pp, single)
     for record, names in zip(pp, stage_names):
         rank = record["rank"]
         grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
@@ -80,8 +89,8 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps(tmp_path, tiny_p
 def test_four_pipeline_stages_equal_the_single_process_and_each_holds_its_share(tmp_path, tiny_policy_dir):
     """4 stages of 2 layers each. Memory: each rank holds at most 1/4 + 0.15 of the single process's policy
     parameters and optimizer state (bytes of the tensors' storages after training, a size fixed from the first
-    optimizer step on; not the RSS, which counts the libraries and the activations of the moment). Not counted:
-    the full policy every rank loads before the step cuts it."""
+    optimizer step on; not the RSS, which counts the libraries and the activations of the moment). At start each
+    rank read its stage's tensors alone (`assert_each_stage_read_its_own_tensors`)."""
     pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="4stages", nproc=4)
     assert_stages_equal_the_single_process(pp, single, tmp_path / "pp-4stages" / "final")
     whole = single["held_bytes"]
@@ -109,11 +118,12 @@ def test_pipeline_parallel_steps_equal_the_single_process_steps_for_each_loss_ty
 
 
 def test_pipeline_parallel_steps_with_a_kl_term_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
-    """`beta` > 0: TRL's reference model is cut into the same stages and synced by TRL's callback; the stages compute
+    """`beta` > 0: each rank loads its stage of the reference model, synced by TRL's callback; the stages compute
     its log-probs in the step and the last stage adds the KL term, as one process's `_compute_loss` does."""
     pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="beta")
     assert_single_run_learned(pp, single)
     assert single["step_logs"][1]["kl"] > 1e-6  # the second step's KL term weighs in
+    assert_each_stage_read_its_own_tensors(pp, single, models=2)
     for record in pp:
         names = set(record["policy_params"])
         grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
