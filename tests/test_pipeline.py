@@ -186,7 +186,7 @@ def test_stage_layer_ranges():
 
 
 def _stage_of(name: str, ranges: list[range]) -> int:
-    """The stage a checkpoint tensor belongs to: its decoder layer's, the first's (embedding), the last's (norm, head)."""
+    """The stage of a checkpoint tensor: its decoder layer's, else the first (embedding) or the last (norm, head)."""
     match = re.search(r"\blayers\.(\d+)\.", name)
     if match:
         return next(stage for stage, layers in enumerate(ranges) if int(match.group(1)) in layers)

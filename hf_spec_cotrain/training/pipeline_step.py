@@ -228,8 +228,9 @@ class PipelineCoTrainStep:
     gradients of the whole model's step.
 
     Args:
-        model: the full policy on every rank; it is cut **in place** to this rank's stage (modules of other
-            stages are replaced by identity placeholders and their weights released). Tied input and output
+        model: the policy on every rank, whole or loaded as this rank's stage alone (`pipeline_stage_class`); it
+            is cut **in place** to this rank's stage (modules of other stages are replaced by identity placeholders
+            and their weights released). Tied input and output
             embeddings are refused: they would live on two stages.
         group: the pipeline's process group (default: the world); stage i is group rank i.
         draft: the `Eagle3DraftModel` to co-train, required on the last stage when ``aux_layer_ids`` is set.
@@ -242,10 +243,10 @@ class PipelineCoTrainStep:
         temperature, epsilon_low, epsilon_high, loss_type: as in `grpo_loss` (TRL's `temperature`, `epsilon`,
             `epsilon_high`, `loss_type`).
         beta, bias_correction_kl: the KL term of `grpo_loss` (TRL's `beta`, `use_bias_correction_kl`).
-        reference_model: the reference policy of the KL term, required when ``beta`` is not 0: the full model on
-            every rank, cut **in place** to the same stage; each step first runs it forward-only through the
-            pipeline (`torch.distributed.pipelining`'s ``eval``) on the step's batch, so the last stage gets the
-            reference log-probs of every row without any rank holding the whole reference.
+        reference_model: the reference policy of the KL term, required when ``beta`` is not 0: on every rank,
+            whole or this rank's stage alone, cut **in place** to the same stage; each step first runs it
+            forward-only through the pipeline (`torch.distributed.pipelining`'s ``eval``) on the step's batch, so
+            the last stage gets the reference log-probs of every row without any rank holding the whole reference.
         ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing: the draft's training-time test (`ttt_loss`).
         device: where this stage runs (default: the model's device).
     """

@@ -216,9 +216,9 @@ class PipelineParallelStep(TrainingStepStrategy):
 
     Each rank loaded only its stage of the policy (`load_pipeline_stage`; a policy passed already built is cut in
     place by `PipelineCoTrainStep`), so the optimizer (built later by the Trainer) holds this stage's parameters only
-    and no rank ever holds the whole policy: the last stage, which holds the draft, drives every rank's rollouts while the other stages serve its forwards (`PipelinedTarget`), and
-    every stage saves its own shard of the policy (the trainer's `save_model`). The draft trains, and is saved, on the
-    last stage.
+    and no rank ever holds the whole policy: the last stage, which holds the draft, drives every rank's rollouts while
+    the other stages serve its forwards (`PipelinedTarget`), and every stage saves its own shard of the policy (the
+    trainer's `save_model`). The draft trains, and is saved, on the last stage.
 
     In each step the ranks exchange their micro-batches and every stage runs the same batch, the concatenation in rank
     order, through `PipelineCoTrainStep.step`: the GRPO loss with TRL's whole-batch normaliser at the last stage, and
