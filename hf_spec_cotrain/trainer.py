@@ -110,7 +110,11 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if args.pipeline_parallel_size > 1:
             if isinstance(model, str):
                 model = load_pipeline_stage(model, args)
-                hidden_from_trl["model_init_kwargs"] = None  # used by the stage's load
+                # The stage's load used them: keep TRL from warning that they are ignored, unless it loads a reward
+                # model by name with them.
+                rewards = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+                if not any(isinstance(reward, str) for reward in rewards):
+                    hidden_from_trl["model_init_kwargs"] = None
             else:
                 logger.warning(
                     "pipeline_parallel_size > 1 with a policy passed already built: every rank holds the whole "

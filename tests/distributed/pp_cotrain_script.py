@@ -64,6 +64,8 @@ def run_config(out_dir: str, stages: int, **options):
         draft_learning_rate=0.01,
         pipeline_parallel_size=stages,
         pipeline_num_microbatches=4,
+        # Not the default ("sdpa"): the stages must load with the config's `model_init_kwargs`, as TRL would.
+        model_init_kwargs={"attn_implementation": "eager"},
         **options,
     )
 
@@ -83,6 +85,9 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         "generated": trainer.generated,
         "held_bytes": held_bytes(trainer),
         "tensors_read": tensors_read,
+        "attn_implementations": [
+            model.config._attn_implementation for model in (trainer.model, trainer.ref_model) if model is not None
+        ],
     }
 
 

@@ -34,10 +34,12 @@ def only(tensors: dict, names) -> dict:
 
 def assert_each_stage_read_its_own_tensors(pp: list[dict], single: dict, *, models: int = 1) -> None:
     """Each rank read the checkpoint tensors of its stage alone, each once per model loaded (the policy, and the
-    reference with `beta` > 0), while the single process read every tensor once per model."""
+    reference with `beta` > 0), with the config's `model_init_kwargs`; the single process read every tensor once per
+    model."""
     assert sorted(single["tensors_read"]) == sorted(list(single["policy_params"]) * models)
     for record in pp:
         assert sorted(record["tensors_read"]) == sorted(list(record["policy_params"]) * models), record["rank"]
+        assert record["attn_implementations"] == ["eager"] * models  # loaded with the config's model_init_kwargs
 
 
 def assert_stages_equal_the_single_process(pp: list[dict], single: dict, saved_policy: Path) -> None:
