@@ -28,6 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cp import _memory_status, _reset_peak  # noqa: E402
 
+from hf_spec_cotrain.testing import save_tiny_target  # noqa: E402
+
 
 MODES = ("whole", "stage")
 """whole: `from_pretrained` of the whole model, then the cut; stage: `pipeline_stage_class(...).from_pretrained`."""
@@ -68,23 +70,6 @@ def load(mode: str, stages: int, stage: int, folder: str) -> dict:
     return {"read": read, "peak": peak, "kept": storage_bytes(model)}
 
 
-def save_policy(folder: Path, num_layers: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=32768,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=num_layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-
-
 def measure(mode: str, stages: int, stage: int, folder: Path) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, __file__, "--child", mode, str(stages), str(stage), str(folder)]
@@ -105,7 +90,16 @@ def main() -> None:
     mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        save_policy(folder, args.num_layers)
+        save_tiny_target(
+            folder,
+            num_layers=args.num_layers,
+            hidden_size=1024,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=4096,
+            vocab_size=32768,
+        )
         one_process = measure("whole", 1, 0, folder)
         print(f"load average {os.getloadavg()[0]:.1f}; {args.num_layers} layers, whole model in one process:")
         print(f"  read {one_process['read'] / mib:.0f} MiB, peak {one_process['peak'] / mib:.0f} MiB")
