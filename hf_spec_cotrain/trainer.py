@@ -106,8 +106,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             hidden_from_trl["use_vllm"] = False
         # Under pipeline parallelism each rank loads only its stage of the policy and of the reference model: TRL
         # would load both whole on every rank.
-        reference_stage = args.pipeline_parallel_size > 1 and args.beta != 0.0
-        if args.pipeline_parallel_size > 1:
+        pipeline = args.pipeline_parallel_size > 1
+        reference_stage = pipeline and args.beta != 0.0
+        if pipeline:
             if isinstance(model, str):
                 model = load_pipeline_stage(model, args)
                 # The stage's load used them: keep TRL from warning that they are ignored, unless it loads a reward
