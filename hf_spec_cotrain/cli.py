@@ -4,6 +4,7 @@ Each command is a ``make_parser`` over dataclasses (so every option has help tex
 file) plus a ``main`` that imports the heavy libraries lazily.
 """
 
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -152,7 +153,12 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 def vllm_serve_parser():
     from trl import TrlParser
 
-    description = "Serve speculative rollouts of a policy and its EAGLE-3 draft, with transactional weight updates."
+    from .generation import VLLM_INSTALL_HINT
+
+    description = (
+        "Serve speculative rollouts of a policy and its EAGLE-3 draft, with transactional weight updates. Needs vLLM: "
+        f"{VLLM_INSTALL_HINT}."
+    )
     return TrlParser((VLLMServeScriptArguments,), prog="hf-spec-cotrain vllm-serve", description=description)
 
 
@@ -196,12 +202,17 @@ def vllm_serve_engine_kwargs(args: VLLMServeScriptArguments) -> dict:
 
 
 def vllm_serve_main(argv: list[str]) -> None:
-    import os
+    import importlib.util
 
+    from .generation import VLLM_INSTALL_HINT
+
+    (args,) = vllm_serve_parser().parse_args_and_config(argv)
+    missing = [name for name in ("vllm", "requests") if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"hf-spec-cotrain vllm-serve needs {' and '.join(missing)}, not installed here: {VLLM_INSTALL_HINT}.")
     from .generation.client import API_KEY_ENV
     from .generation.server import serve
 
-    (args,) = vllm_serve_parser().parse_args_and_config(argv)
     if args.log_level not in _LOG_LEVELS:
         raise ValueError(f"`--log_level {args.log_level}` is not allowed: choose one of {', '.join(_LOG_LEVELS)}.")
     if not 0 <= args.port < 65536:
@@ -221,7 +232,71 @@ def vllm_serve_main(argv: list[str]) -> None:
     )
 
 
+GRPO_MODULE = "hf_spec_cotrain.scripts.grpo"
+DEFAULT_ACCELERATE_CONFIG = "single_device"
+
+
+def grpo_main(argv: list[str]) -> None:
+    """Launch the main job through ``accelerate launch``, as ``trl grpo`` does: the job's own options go to the job,
+    the others to accelerate; ``--accelerate_config`` names a shipped config (``cpu_ddp``, ``fsdp2``, ...) or a file.
+
+    Without a launch config (neither given nor made by ``accelerate config``), the shipped single-device one is used,
+    so that accelerate has nothing to guess (and to warn about)."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from .scripts.grpo import make_parser
+
+    if "--accelerate_config" in argv:
+        at = argv.index("--accelerate_config")
+        if at + 1 == len(argv):
+            raise ValueError("`--accelerate_config` needs a value: a shipped config's name or a YAML file.")
+        config_file = accelerate_config_path(argv[at + 1])
+        argv = argv[:at] + argv[at + 2 :] + ["--config_file", config_file]
+    # Split without building the job's config (that happens in the launched processes, where the device is known);
+    # `--config file.yaml` belongs to the job.
+    job_config = argv[argv.index("--config") : argv.index("--config") + 2] if "--config" in argv else []
+    _, unknown = make_parser(prog="hf-spec-cotrain grpo").parse_known_args(_without(argv, job_config))
+    launch_args, script_args = unknown, _without(argv, unknown)
+    if "--config_file" not in launch_args and not os.path.isfile(_accelerate_default_config_file()):
+        launch_args += ["--config_file", accelerate_config_path(DEFAULT_ACCELERATE_CONFIG)]
+    launch_command(launch_command_parser().parse_args([*launch_args, "--module", GRPO_MODULE, *script_args]))
+
+
+def accelerate_config_path(name: str) -> str:
+    """A YAML file, or the path of a shipped accelerate config (`hf_spec_cotrain.accelerate_configs`) by its name."""
+    from importlib import resources
+
+    if os.path.isfile(name):
+        return name
+    shipped = resources.files("hf_spec_cotrain.accelerate_configs")
+    names = sorted(path.name.removesuffix(".yaml") for path in shipped.iterdir() if path.name.endswith(".yaml"))
+    if name not in names:
+        raise ValueError(f"`--accelerate_config {name}` is neither a file nor a shipped config ({', '.join(names)}).")
+    return str(shipped.joinpath(f"{name}.yaml"))
+
+
+def _accelerate_default_config_file() -> str:
+    from accelerate.commands.config.config_args import default_config_file
+
+    return default_config_file
+
+
+def _without(argv: list[str], removed: list[str]) -> list[str]:
+    """``argv`` less ``removed``, a subsequence of it (arguments in their order in ``argv``)."""
+    kept, pending = [], list(removed)
+    for arg in argv:
+        if pending and arg == pending[0]:
+            pending.pop(0)
+        else:
+            kept.append(arg)
+    return kept
+
+
 COMMANDS = {
+    "grpo": (
+        grpo_main,
+        "Run GRPO with a co-trained draft against plain GRPO (the main job; launches with accelerate).",
+    ),
     "train-draft": (train_draft_main, "Warm-start an EAGLE-3 draft for a target on a dataset."),
     "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + EAGLE-3 draft) with weight updates."),
 }
@@ -229,9 +304,17 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from . import __version__
+
+        print(f"hf-spec-cotrain {__version__}")
+        return
     if not argv or argv[0] in {"-h", "--help"} or argv[0] not in COMMANDS:
         lines = [f"  {name:<14}{help_text}" for name, (_, help_text) in COMMANDS.items()]
-        usage = "usage: hf-spec-cotrain <command> [--options] [--config file.yaml]\n\ncommands:\n" + "\n".join(lines)
+        usage = (
+            "usage: hf-spec-cotrain [--version] <command> [--options] [--config file.yaml]\n\ncommands:\n"
+            + "\n".join(lines)
+        )
         if argv and argv[0] not in {"-h", "--help"}:
             sys.exit(f"hf-spec-cotrain: unknown command {argv[0]!r}\n\n{usage}")
         print(usage)

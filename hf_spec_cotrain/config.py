@@ -1,6 +1,7 @@
 """`SpecCoTrainConfig`: TRL's `GRPOConfig` plus the draft, TTT, speculative-rollout and Hub options."""
 
 import copy
+import importlib.util
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -303,6 +304,11 @@ class SpecCoTrainConfig(GRPOConfig):
             raise ValueError(
                 f"`vllm_mode`={self.vllm_mode!r} is not allowed: TRL would take it for 'colocate'. Choose 'colocate' "
                 "(vLLM in the training process) or 'server' (a separate `hf-spec-cotrain vllm-serve`)."
+            )
+        if self.use_vllm and self.vllm_mode == "server" and importlib.util.find_spec("requests") is None:
+            raise ValueError(
+                "`vllm_mode='server'` talks to the rollout server over HTTP with `requests`, which is not installed: "
+                'pip install "hf-spec-cotrain[client]" (or use `vllm_mode="colocate"`, or HF-native rollouts).'
             )
         if self.max_draft_tokens > self.ttt_steps:
             asked = (

@@ -318,7 +318,8 @@ def train_draft(
         return {}
 
     started = time.perf_counter()
-    bar = tqdm(total=total_steps, desc="train-draft", disable=not progress, dynamic_ncols=True)
+    # `disable=None`: no bar where the output is not a terminal (a log file would fill with cursor movements).
+    bar = tqdm(total=total_steps, desc="train-draft", disable=None if progress else True, dynamic_ncols=True)
     step = 0
     with draft_tap_recorder(target, draft) as recorder:
         for input_ids, attention_mask in _epochs(train_set, config, pad_id):

