@@ -79,6 +79,53 @@ def train_draft_main(argv: list[str]) -> None:
 
 
 @dataclass
+class ExportDraftScriptArguments:
+    r"""A saved draft and the format to write it in, for ``hf-spec-cotrain export-draft``. Named options rather than
+    positionals, like the other commands, so that they can come from a YAML file too."""
+
+    source: str = field(metadata={"help": "The draft to convert: a folder or Hub id, in either format."})
+    destination: str = field(metadata={"help": "Folder to write the converted draft to."})
+    format: str = field(
+        default="eagle3",
+        metadata={
+            "help": "'eagle3' (vLLM's EAGLE-3 layout, what the package writes) or 'speculators' (the "
+            "vllm-project/speculators format, which vLLM also reads)."
+        },
+    )
+    verifier: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculators only: the target (Hub id or folder) the draft serves; then `vllm serve DESTINATION` "
+            "alone serves that target with the draft."
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=3, metadata={"help": "speculators only: the K that `vllm serve DESTINATION` drafts."}
+    )
+
+
+def export_draft_parser():
+    from trl import TrlParser
+
+    description = "Convert a saved EAGLE-3 draft between vLLM's EAGLE-3 layout and the speculators format."
+    return TrlParser((ExportDraftScriptArguments,), prog="hf-spec-cotrain export-draft", description=description)
+
+
+def export_draft_main(argv: list[str]) -> None:
+    from .draft import Eagle3DraftModel
+
+    (args,) = export_draft_parser().parse_args_and_config(argv)
+    draft = Eagle3DraftModel.from_pretrained(args.source)
+    draft.save_pretrained(
+        args.destination,
+        format=args.format,
+        verifier=args.verifier,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    print(f"export-draft: {args.source} written to {args.destination} in the {args.format} format")
+
+
+@dataclass
 class VLLMServeScriptArguments:
     r"""The policy, its EAGLE-3 draft and the listening address, for ``hf-spec-cotrain vllm-serve``."""
 
@@ -223,6 +270,7 @@ def vllm_serve_main(argv: list[str]) -> None:
 
 COMMANDS = {
     "train-draft": (train_draft_main, "Warm-start an EAGLE-3 draft for a target on a dataset."),
+    "export-draft": (export_draft_main, "Convert a draft between vLLM's EAGLE-3 layout and the speculators format."),
     "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + EAGLE-3 draft) with weight updates."),
 }
 
