@@ -71,11 +71,12 @@ def train_draft_main(argv: list[str]) -> None:
         config,
         text_column=args.text_column,
         messages_column=args.messages_column,
+        dataset_name=args.dataset_name,
     )
     final = result.history[-1] if result.history else {}
     accuracies = ", ".join(f"{k}={v:.3f}" for k, v in final.items() if k.startswith("accuracy"))
     print(f"train-draft: {result.steps} steps in {result.train_seconds:.0f}s; held-out {accuracies or 'n/a'}")
-    print(f"train-draft: draft saved to {config.output_dir}")
+    print(f"train-draft: draft saved to {config.output_dir}, with its model card (README.md)")
 
 
 @dataclass
