@@ -34,6 +34,7 @@ ACCEPTANCE_TABLE_ROWS = 10
 # Where the run's final policy is, when the run did not say: the card's commands write this in its place.
 FINAL_POLICY_PLACEHOLDER = "<final-policy>"
 LICENSE_FIELDS = ("license", "license_name", "license_link")
+UNNAMED_MODEL = "model built in memory"
 # Distribution names of the libraries the card lists (the first one installed); vLLM is optional.
 FRAMEWORKS = {
     "torch": ("torch",),
@@ -54,7 +55,6 @@ class CoTrainingRecord:
     draft pairs with; None when unknown (the card then writes `FINAL_POLICY_PLACEHOLDER` and says why).
     """
 
-    steps: int
     acceptance_history: Sequence[tuple[int, float]] = ()
     final_policy: str | None = None
     skipped_steps: int = 0
@@ -80,6 +80,9 @@ class ModelReference:
 
     @classmethod
     def of(cls, name_or_path: str) -> "ModelReference":
+        """``name_or_path`` empty: a model built in memory, which has neither."""
+        if not name_or_path:
+            return cls(UNNAMED_MODEL, on_hub=False)
         if is_hub_id(name_or_path):
             return cls(name_or_path, on_hub=True)
         return cls(Path(name_or_path).name or str(name_or_path), on_hub=False)
@@ -105,7 +108,7 @@ def render_draft_card(
     it was trained with and the citation.
 
     ``target_model``: the policy the draft was co-trained with (its starting point), or the warm start's target, as a
-    Hub id or folder. ``license_fields``: that model's license (`model_license`), left out when empty.
+    Hub id or folder ("" for a model built in memory). ``license_fields``: that model's license (`model_license`), left out when empty.
     ``hyperparameters``: the training table's rows (label: value), in order.
     """
     config = draft.config
@@ -170,6 +173,8 @@ def model_license(name_or_path: str) -> dict[str, str]:
     """The license fields (`LICENSE_FIELDS`) of a model's card: a local folder's README.md front matter, or a Hub
     repo's card (huggingface_hub's cache when offline). Empty when unknown: a missing card, no network or a malformed
     card leaves the draft's card without a license (logged), and never fails the save."""
+    if not name_or_path:  # a model built in memory has no card
+        return {}
     readme = Path(name_or_path) / "README.md"
     try:
         if readme.is_file():

@@ -544,7 +544,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             target_model=self._starting_policy,
             repo_id=repo_id or self._draft_repo_id(),
             training=CoTrainingRecord(
-                steps=self.state.global_step,
                 acceptance_history=self.rollouts.acceptance_history,
                 final_policy=self.args.hub_model_id,
                 skipped_steps=self.draft_cotrainer.skipped_steps,
@@ -576,9 +575,10 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     @property
     def _starting_policy(self) -> str:
-        """The policy the run started from (Hub id or folder): the draft's card names it as its `base_model`. The
-        policy the draft pairs with is the run's final one, published as ``hub_model_id`` when set."""
-        return self._policy().config._name_or_path or "policy"
+        """The policy the run started from (Hub id or folder; "" when built in memory): the draft's card names it as
+        its `base_model`. The policy the draft pairs with is the run's final one, published as ``hub_model_id`` when
+        set."""
+        return self._policy().config._name_or_path
 
     @cached_property
     def _starting_policy_license(self) -> dict[str, str]:

@@ -380,7 +380,7 @@ def _draft_card(
     target: PreTrainedModel, config: DraftTrainingConfig, result: DraftTrainingResult, dataset_name: str | None
 ) -> str:
     """The warm-started draft's model card: its target, training settings and held-out agreement per TTT step."""
-    target_name = target.config._name_or_path or "target"
+    target_name = target.config._name_or_path  # "" for a target built in memory
     final = result.history[-1] if result.history else {}
     return render_draft_card(
         result.draft,

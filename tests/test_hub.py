@@ -28,9 +28,7 @@ def _card(draft, target_model: str, acceptance_history=(), final_policy=None) ->
         draft,
         target_model=target_model,
         repo_id="me/run-eagle3",
-        training=CoTrainingRecord(
-            steps=len(acceptance_history), acceptance_history=acceptance_history, final_policy=final_policy
-        ),
+        training=CoTrainingRecord(acceptance_history=acceptance_history, final_policy=final_policy),
     )
 
 
@@ -100,6 +98,14 @@ def test_a_short_run_lists_every_acceptance(draft):
     history = [(1, 1.25), (2, 1.75)]
     assert _acceptance_rows(_card(draft, "Qwen/Qwen3-0.6B", history)) == history
     assert "No rollout drafted during training" in _card(draft, "Qwen/Qwen3-0.6B")
+
+
+def test_a_model_built_in_memory_is_neither_on_the_hub_nor_asked_for_a_license(draft, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n")  # the working folder's card is not the model's
+    assert model_license("") == {}
+    card = _card(draft, "")
+    assert ModelCard(card).data.base_model is None and "The run started from `model built in memory`" in card
 
 
 def test_the_license_comes_from_the_policys_card(tmp_path, monkeypatch):
