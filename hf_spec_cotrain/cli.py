@@ -72,11 +72,59 @@ def train_draft_main(argv: list[str]) -> None:
         config,
         text_column=args.text_column,
         messages_column=args.messages_column,
+        dataset_name=args.dataset_name,
     )
     final = result.history[-1] if result.history else {}
     accuracies = ", ".join(f"{k}={v:.3f}" for k, v in final.items() if k.startswith("accuracy"))
     print(f"train-draft: {result.steps} steps in {result.train_seconds:.0f}s; held-out {accuracies or 'n/a'}")
-    print(f"train-draft: draft saved to {config.output_dir}")
+    print(f"train-draft: draft saved to {config.output_dir}, with its model card (README.md)")
+
+
+@dataclass
+class ExportDraftScriptArguments:
+    r"""A saved draft and the format to write it in, for ``hf-spec-cotrain export-draft``. Named options rather than
+    positionals, like the other commands, so that they can come from a YAML file too."""
+
+    source: str = field(metadata={"help": "The draft to convert: a folder or Hub id, in either format."})
+    destination: str = field(metadata={"help": "Folder to write the converted draft to."})
+    format: str = field(
+        default="eagle3",
+        metadata={
+            "help": "'eagle3' (vLLM's EAGLE-3 layout, what the package writes) or 'speculators' (the "
+            "vllm-project/speculators format, which vLLM also reads)."
+        },
+    )
+    verifier: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculators only: the target (Hub id or folder) the draft serves; then `vllm serve DESTINATION` "
+            "alone serves that target with the draft."
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=3, metadata={"help": "speculators only: the K that `vllm serve DESTINATION` drafts."}
+    )
+
+
+def export_draft_parser():
+    from trl import TrlParser
+
+    description = "Convert a saved EAGLE-3 draft between vLLM's EAGLE-3 layout and the speculators format."
+    return TrlParser((ExportDraftScriptArguments,), prog="hf-spec-cotrain export-draft", description=description)
+
+
+def export_draft_main(argv: list[str]) -> None:
+    from .draft import Eagle3DraftModel
+
+    (args,) = export_draft_parser().parse_args_and_config(argv)
+    draft = Eagle3DraftModel.from_pretrained(args.source)
+    draft.save_pretrained(
+        args.destination,
+        format=args.format,
+        verifier=args.verifier,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
+    print(f"export-draft: {args.source} written to {args.destination} in the {args.format} format")
 
 
 @dataclass
@@ -298,6 +346,7 @@ COMMANDS = {
         "Run GRPO with a co-trained draft against plain GRPO (the main job; launches with accelerate).",
     ),
     "train-draft": (train_draft_main, "Warm-start an EAGLE-3 draft for a target on a dataset."),
+    "export-draft": (export_draft_main, "Convert a draft between vLLM's EAGLE-3 layout and the speculators format."),
     "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + EAGLE-3 draft) with weight updates."),
 }
 

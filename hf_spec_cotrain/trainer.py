@@ -20,6 +20,7 @@ the policy, optimizer and scheduler, and the last stage the draft.
 
 import os
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
-from .hub import push_draft_folder, render_draft_card
+from .hub import CoTrainingRecord, model_license, push_draft_folder, render_draft_card
 from .parallel.dims import ParallelDims
 from .parallel.fsdp import apply_fsdp2
 from .taps import TapRecorder
@@ -540,15 +541,17 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self.draft.validate_weights(what=f"The draft to save in {folder}")  # healed every step: a bug if it fails
         card = render_draft_card(
             self.draft,
-            skipped_steps=self.draft_cotrainer.skipped_steps,
-            restored_steps=self.draft_cotrainer.restored_steps,
-            target_model=self._target_name(),
+            target_model=self._starting_policy,
             repo_id=repo_id or self._draft_repo_id(),
-            training_steps=self.state.global_step,
-            acceptance_history=self.rollouts.acceptance_history,
-            ttt_steps=self.args.ttt_steps,
-            step_weight_decay=self.args.ttt_step_weight_decay,
+            training=CoTrainingRecord(
+                acceptance_history=self.rollouts.acceptance_history,
+                final_policy=self.args.hub_model_id,
+                skipped_steps=self.draft_cotrainer.skipped_steps,
+                restored_steps=self.draft_cotrainer.restored_steps,
+            ),
+            hyperparameters=self._card_hyperparameters(),
             num_speculative_tokens=self.args.max_draft_tokens,
+            license_fields=self._starting_policy_license,
         )
 
         def write(temporary: Path) -> None:
@@ -570,8 +573,36 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             commit_message=f"Co-trained EAGLE-3 draft, step {self.state.global_step}",
         )
 
-    def _target_name(self) -> str:
-        return self.args.hub_model_id or self._policy().config._name_or_path or "policy"
+    @property
+    def _starting_policy(self) -> str:
+        """The policy the run started from (Hub id or folder; "" when built in memory): the draft's card names it as
+        its `base_model`. The policy the draft pairs with is the run's final one, published as ``hub_model_id`` when
+        set."""
+        return self._policy().config._name_or_path
+
+    @cached_property
+    def _starting_policy_license(self) -> dict[str, str]:
+        """The starting policy's license, read once (it may take a Hub request)."""
+        return model_license(self._starting_policy)
+
+    def _card_hyperparameters(self) -> dict[str, object]:
+        """The training settings that shape the draft, as the card's table shows them."""
+        args = self.args
+        drafted = args.num_speculative_tokens
+        if drafted == "auto":
+            drafted = f"auto: 0..{args.max_speculative_tokens}, chosen per round"
+        return {
+            "RL steps with co-training (GRPO)": self.state.global_step,
+            "Policy learning rate": f"{args.learning_rate:g}",
+            "Generations per prompt x max completion length": (
+                f"{args.num_generations} x {args.max_completion_length} tokens"
+            ),
+            "Rollout temperature, engine": f"{args.temperature:g}, {'vLLM' if args.use_vllm else 'HF-native'}",
+            "Draft learning rate (warm-up steps)": f"{args.draft_learning_rate:g} ({args.draft_warmup_steps})",
+            "Training-time-test steps": f"{args.ttt_steps} (step weights {args.ttt_step_weight_decay:g}^d)",
+            "Drafted tokens per round (K)": drafted,
+            "Share of rollouts the draft trains on (`draft_train_fraction`)": f"{args.draft_train_fraction:g}",
+        }
 
     def _draft_repo_id(self) -> str:
         base = self.args.hub_model_id or Path(self.args.output_dir).name

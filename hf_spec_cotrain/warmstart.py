@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType, get_scheduler
 
 from .draft import Eagle3DraftModel, count_tokens
+from .hub import WarmStartRecord, model_license, render_draft_card
 from .taps import TapRecorder
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
 from .validation import check_int
@@ -34,10 +35,18 @@ class DraftTrainingConfig:
         learning_rate, weight_decay, max_grad_norm, warmup_steps, lr_scheduler_type, batch_size, max_steps,
         num_epochs, max_time_s, bf16, seed
     Parameters that control evaluation and output:
-        eval_fraction, max_eval_samples, eval_steps, logging_steps, output_dir
+        eval_fraction, max_eval_samples, eval_steps, logging_steps, output_dir, hub_model_id
     """
 
-    output_dir: str | None = field(default=None, metadata={"help": "Folder the draft checkpoint is saved to."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Folder the draft checkpoint is saved to, with its model card (README.md)."}
+    )
+    hub_model_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub repository the draft will be pushed to: its model card names it (default: the folder)."
+        },
+    )
     num_layers: int = field(default=1, metadata={"help": "Decoder layers of a new draft."})
     aux_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Tapped target layers (inputs of these layers). Default: (2, L//2, L-3)."}
@@ -260,8 +269,10 @@ def train_draft(
     text_column: str = "text",
     messages_column: str = "messages",
     progress: bool = True,
+    dataset_name: str | None = None,
 ) -> DraftTrainingResult:
-    """Warm-start ``draft`` (or a new one built from ``target``) on ``dataset``; save it to ``output_dir``.
+    """Warm-start ``draft`` (or a new one built from ``target``) on ``dataset``; save it to ``output_dir`` with its
+    model card (``dataset_name``: the Hub id or folder the dataset came from, for the card).
 
     The target is frozen and only runs forward, once per batch; its taps, embeddings and final hidden state
     come from hooks on that forward.
@@ -359,9 +370,37 @@ def train_draft(
     if not result.history or result.history[-1]["step"] != step:  # the time limit may stop right after an evaluation
         evaluate(step)
     if config.output_dir:
-        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        draft.save_pretrained(config.output_dir)
+        folder = Path(config.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        draft.save_pretrained(folder)
+        (folder / "README.md").write_text(_draft_card(target, config, result, dataset_name), encoding="utf-8")
     return result
+
+
+def _draft_card(
+    target: PreTrainedModel, config: DraftTrainingConfig, result: DraftTrainingResult, dataset_name: str | None
+) -> str:
+    """The warm-started draft's model card: its target, training settings and held-out agreement per TTT step."""
+    target_name = target.config._name_or_path  # "" for a target built in memory
+    final = result.history[-1] if result.history else {}
+    return render_draft_card(
+        result.draft,
+        target_model=target_name,
+        repo_id=config.hub_model_id or Path(config.output_dir).resolve().name,
+        training=WarmStartRecord(
+            held_out_accuracy=[final[f"accuracy_step_{step}"] for step in range(config.ttt_steps)] if final else [],
+            dataset=dataset_name,
+        ),
+        hyperparameters={
+            "Training steps": result.steps,
+            "Learning rate (warm-up steps, schedule)": (
+                f"{config.learning_rate:g} ({config.warmup_steps}, {config.lr_scheduler_type})"
+            ),
+            "Batch size x max length": f"{config.batch_size} x {config.max_length} tokens",
+            "Training-time-test steps": f"{config.ttt_steps} (step weights {config.step_weight_decay:g}^d)",
+        },
+        license_fields=model_license(target_name),
+    )
 
 
 def _epochs(train_set: list[list[int]], config: DraftTrainingConfig, pad_id: int) -> Iterator:

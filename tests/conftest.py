@@ -170,6 +170,30 @@ def vllm_engine_full_vocab(vllm_engine_pool, tiny_llama_dir, tiny_llama_drafts) 
 
 
 @pytest.fixture
+def vllm_engine_speculators(vllm_engine_pool, tiny_llama_dir, tmp_path_factory) -> EngineHandle:
+    """The tiny Llama target with a reduced-vocabulary draft of 4 taps (not vLLM's default 3) saved in the speculators
+    format."""
+    from hf_spec_cotrain.draft import count_tokens
+
+    def start() -> EngineHandle:
+        target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+        counts = count_tokens(tiny_prompts(tiny_llama_dir), target.config.vocab_size)
+        draft = build_pass_through_draft(
+            target,
+            seed=1,
+            noise=0.05,
+            aux_layer_ids=(1, 3, 4, 5),
+            draft_vocab_size=REDUCED_DRAFT_VOCAB_SIZE,
+            token_counts=counts,
+        )
+        folder = tmp_path_factory.mktemp("draft-speculators")
+        draft.save_pretrained(folder, format="speculators", verifier=str(tiny_llama_dir))
+        return _start(tiny_llama_dir, folder)
+
+    return vllm_engine_pool.get(("llama", "speculators"), start)
+
+
+@pytest.fixture
 def vllm_engine_for(vllm_engine_pool, tiny_target_dir) -> Callable[[str], EngineHandle]:
     """`vllm_engine_for(family)`: an engine for that family's tiny target without a draft, with a lighter
     rollout (a short prompt and one longer than a KV block, 12 tokens)."""

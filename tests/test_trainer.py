@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 import re
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def test_auto_speculation_logs_its_choice_and_where_the_time_goes(policy_dir, tm
     for entry in logs:
         assert 0 <= entry["spec/num_speculative_tokens"] <= 4
         assert entry["spec/predicted_speedup"] > 0 and entry["spec/measured_speedup"] > 0
-        assert "spec/accepted_per_position_3" in entry
+        # A step whose rounds all decoded plainly (K = 0) logs no acceptance (tests/test_rollout_metrics.py).
+        assert ("spec/accepted_per_position_3" in entry) == ("spec/acceptance_length" in entry)
         parts = [entry[f"time/{part}"] for part in ("generation", "draft_training", "weight_sync", "policy_training")]
         assert all(seconds >= 0 for seconds in parts) and entry["time/weight_sync"] == 0  # HF-native: no engine
         assert entry["time/generation"] > 0 and entry["time/draft_training"] > 0
@@ -122,6 +124,13 @@ def test_auto_uses_trls_generation_where_plain_calls_are_faster(policy_dir, tmp_
     assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
     assert all(entry["time/generation"] > 0 for entry in logs)
     assert [model.prefers_plain(batch) for _ in range(12)] == [True] * 5 + [False] + [True] * 6
+    # Steps that never drafted log no acceptance (rather than 1.0), a plain share of 1, and NaN in the history
+    # (tests/test_rollout_metrics.py).
+    for entry in logs:
+        assert "spec/acceptance_length" not in entry and "spec/accepted_per_position_0" not in entry
+        assert entry["spec/plain_round_share"] == 1.0
+    assert [step for step, _ in trainer.rollouts.acceptance_history] == [entry["step"] for entry in logs] == [1, 2, 3]
+    assert all(math.isnan(value) for _, value in trainer.rollouts.acceptance_history)
 
 
 @pytest.mark.parametrize(
@@ -349,11 +358,12 @@ def test_push_draft_to_hub_hands_the_saved_folder_to_huggingface_hub(policy_dir,
     assert "me/tiny-eagle3" in card and "vllm serve" in card and "sglang" in card
     assert "[2, 4, 5]" in card  # tap ids
     assert "60 of" in card  # draft vocabulary
-    # The acceptance trajectory: one row per training step (rollouts at global steps 0 and 1) in the table under
-    # "Acceptance during RL" (the card's other tables also hold rows such as "| Draft layers | 1 |").
+    # The acceptance trajectory: one row per training step (rollouts feeding optimizer steps 1 and 2, as the logs
+    # number them) in the table under "Acceptance during RL" (the card's other tables also hold rows such as
+    # "| Draft layers | 1 |").
     acceptance = card.split("## Acceptance during RL", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\d+) \| (\d+\.\d{3}) \|$", acceptance, flags=re.MULTILINE)
-    assert [int(step) for step, _ in rows] == [0, 1] and all(float(value) >= 1 for _, value in rows)
+    assert [int(step) for step, _ in rows] == [1, 2] and all(float(value) >= 1 for _, value in rows)
     assert rows == [(str(step), f"{value:.3f}") for step, value in trainer.rollouts.acceptance_history]
     assert "Training-time-test steps | 3" in card
 

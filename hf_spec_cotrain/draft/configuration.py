@@ -4,6 +4,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
 from ..taps import validate_aux_layer_ids
+from .speculators_format import eagle3_config_from_speculators, is_speculators_config
 
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -57,6 +58,13 @@ class Eagle3DraftConfig(LlamaConfig):
             )
         if self.aux_layer_ids is not None and self.target_num_hidden_layers is not None:
             validate_aux_layer_ids(self.aux_layer_ids, self.target_num_hidden_layers)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Also reads a speculators ``config.json`` (`speculators_format`): the same draft in another layout."""
+        if is_speculators_config(config_dict):
+            config_dict = eagle3_config_from_speculators(config_dict)
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...] | None:

@@ -28,12 +28,26 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, ModelOutput, cached_file, logging
+from transformers.utils import (
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    ModelOutput,
+    cached_file,
+    logging,
+)
 
 from ..taps import validate_aux_layer_ids
 from ..validation import check_int
 from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
+from .speculators_format import (
+    CHECKPOINT_FORMATS,
+    SPECULATORS_KEY_MAPPING,
+    eagle3_tensor_name,
+    speculators_config_from_eagle3,
+    speculators_state_dict,
+)
 from .vocab import select_draft_vocab, vocab_maps
 
 
@@ -216,7 +230,8 @@ class Eagle3DraftModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
-        """Load a draft checkpoint (safetensors only), from this package, EAGLE, SpecForge or speculators.
+        """Load a draft checkpoint (safetensors only): either layout `save_pretrained` writes, or one from EAGLE,
+        SpecForge or speculators.
 
         ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
         so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
@@ -225,6 +240,7 @@ class Eagle3DraftModel(PreTrainedModel):
         if kwargs.get("use_safetensors") is False:
             raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
         kwargs["use_safetensors"] = True
+        kwargs.setdefault("key_mapping", SPECULATORS_KEY_MAPPING)  # a speculators checkpoint's first layer
         _check_folder_or_repo_id(pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
         draft, info = super().from_pretrained(
@@ -250,23 +266,57 @@ class Eagle3DraftModel(PreTrainedModel):
             return is_main_process
         return super().should_save_on_this_rank(is_main_process)
 
-    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, on_this_rank: bool = False, **kwargs):
-        """Write the vLLM-loadable checkpoint: safetensors, ``architectures: ["LlamaForCausalLMEagle3"]``.
+    def save_pretrained(
+        self,
+        save_directory,
+        *args,
+        push_to_hub: bool = False,
+        on_this_rank: bool = False,
+        format: str = "eagle3",
+        verifier: str | None = None,
+        num_speculative_tokens: int = 3,
+        **kwargs,
+    ):
+        """Write the checkpoint (safetensors) in vLLM's EAGLE-3 layout (``format="eagle3"``, ``architectures:
+        ["LlamaForCausalLMEagle3"]``) or in the vllm-project/speculators format (``format="speculators"``), which vLLM
+        also reads and speculators' tools use (docs/design.md section 3).
 
-        ``on_this_rank``: write the weights from this process whatever its rank, the caller having chosen it (under
-        pipeline parallelism the last stage, which trains the draft); transformers writes them from global rank 0
-        only.
+        ``verifier`` and ``num_speculative_tokens`` go into the speculators config (the target's Hub id or folder and
+        the K that ``vllm serve <draft>`` then uses). ``on_this_rank``: write the weights from this process whatever
+        its rank, the caller having chosen it (under pipeline parallelism the last stage, which trains the draft);
+        transformers writes them from global rank 0 only.
         """
+        if format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"`format`={format!r} is not a draft checkpoint format: use one of {CHECKPOINT_FORMATS}.")
         if push_to_hub:
+            if format != "eagle3":
+                raise ValueError(
+                    f"`push_to_hub=True` pushes the EAGLE-3 layout: save with format={format!r} to a folder, then "
+                    "upload it with `hf_spec_cotrain.hub.push_draft_folder`."
+                )
             return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory))), **kwargs)
+        speculators = format == "speculators"
+        if speculators:
+            state_dict = kwargs.pop("state_dict", None)
+            full_vocabulary = self.config.draft_vocab_size == self.config.vocab_size
+            kwargs["state_dict"] = speculators_state_dict(
+                self.state_dict() if state_dict is None else state_dict, full_vocabulary=full_vocabulary
+            )
         self._save_on_this_rank = on_this_rank
         try:
-            result = super().save_pretrained(save_directory, *args, **kwargs)
+            # The names are this method's choice: never the reverse of a `key_mapping` the draft was loaded with.
+            result = super().save_pretrained(save_directory, *args, save_original_format=False, **kwargs)
         finally:
             self._save_on_this_rank = False
         # PreTrainedModel records the Python class name; vLLM dispatches on the EAGLE-3 architecture name.
         self.config.architectures = [EAGLE3_ARCHITECTURE]
-        self.config.save_pretrained(save_directory)
+        if speculators:
+            config = speculators_config_from_eagle3(
+                self.config.to_dict(), verifier=verifier, num_speculative_tokens=num_speculative_tokens
+            )
+            Path(save_directory, CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        else:
+            self.config.save_pretrained(save_directory)
         return result
 
     def push_to_hub(
@@ -305,9 +355,11 @@ class Eagle3DraftModel(PreTrainedModel):
         problems = []
         for file in files:
             with safe_open(file, framework="pt") as stored:
-                for name in stored.keys() & weights.keys():
-                    empty = stored.get_slice(name)[:0]  # the stored dtype, no data read
-                    problems.extend(weight_problems(name, empty, dtype=declared))
+                for stored_name in stored.keys():
+                    name = eagle3_tensor_name(stored_name)
+                    if name in weights:
+                        empty = stored.get_slice(stored_name)[:0]  # the stored dtype, no data read
+                        problems.extend(weight_problems(name, empty, dtype=declared))
         if problems:
             raise ValueError(
                 f"{what} is not usable: {'; '.join(problems)}. Save the draft with floating weights in one dtype "

@@ -446,34 +446,46 @@ class SpeculativeRollouts:
         engine_call: tuple[int, int] | None = None,
     ) -> None:
         """``spec/*`` from one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`), summed over the processes
-        that generated."""
+        that generated. Acceptance is over the rounds that drafted (K >= 1): a turn that drafted nothing logs none
+        (TRL's `log` then averages the turns that did), and the rounds of K = 0 are counted apart, in
+        ``spec/plain_round_share``. The acceptance history gets one entry per training turn, NaN for a turn that
+        drafted nothing."""
         mode = "train" if training else "eval"
         k = self.args.max_draft_tokens
         per_position = [float(a) for a in counters.accepted_per_position][:k]
+        row_rounds, plain_row_rounds = _row_rounds(counters, num_tokens, engine_call)
         local = torch.tensor(
             [
                 counters.num_drafts,
                 counters.num_accepted_tokens,
                 num_tokens,
                 elapsed,
+                row_rounds,
+                plain_row_rounds,
                 *per_position,
                 *[0.0] * (k - len(per_position)),  # a call of a smaller K: every process sends as many values
             ],
             device=self.accelerator.device,
         )
-        total = local if self.generates_for_all_ranks else gather(local.unsqueeze(0)).sum(0)
+        total = (local if self.generates_for_all_ranks else gather(local.unsqueeze(0)).sum(0)).tolist()
+        drafts, accepted, tokens, seconds, row_rounds, plain_row_rounds = total[:6]
         generating_processes = 1 if self.generates_for_all_ranks else self.accelerator.num_processes
-        drafts = total[0].clamp(min=1)
         metrics = self.metrics[mode]
-        acceptance = 1.0 + (total[1] / drafts).item()
-        metrics["spec/acceptance_length"].append(acceptance)
-        for position in range(k):
-            metrics[f"spec/accepted_per_position_{position}"].append((total[4 + position] / drafts).item())
-        metrics["spec/tokens_per_second"].append((total[2] / (total[3] / generating_processes)).item())
+        acceptance = math.nan
+        if drafts:
+            acceptance = 1.0 + accepted / drafts
+            metrics["spec/acceptance_length"].append(acceptance)
+            for position, accepted_at in enumerate(total[6:]):
+                metrics[f"spec/accepted_per_position_{position}"].append(accepted_at / drafts)
+        if row_rounds:
+            metrics["spec/plain_round_share"].append(plain_row_rounds / row_rounds)
+        metrics["spec/tokens_per_second"].append(tokens / (seconds / generating_processes))
         for name, value in self._speculation_metrics(counters, engine_call).items():
             metrics[name].append(value)
         if training:
-            self.acceptance_history.append((step, acceptance))
+            # `step` is TRL's global_step, still the previous one while rollouts run: the step they feed is the next,
+            # numbered from 1 as TRL logs it.
+            self.acceptance_history.append((step + 1, acceptance))
 
     def _speculation_metrics(self, counters, engine_call: tuple[int, int] | None) -> dict[str, float]:
         """This process's K (averaged over rows and rounds) and, under adaptive speculation, the cost model's
@@ -497,7 +509,7 @@ def _observe_engine_call(
 ) -> None:
     """Feed the cost model one engine call as its average decoding step: the engine reports no per-step times, so
     the draft's share stays in the step's time (the model's cost of K + 1 tokens carries it)."""
-    row_steps = counters.num_drafts if k else num_tokens  # every running row drafts (or decodes) once per step
+    row_steps = _engine_row_steps(counters, k, num_tokens)
     if not row_steps:
         return
     steps = max(row_steps / batch_size, 1.0)
@@ -508,6 +520,22 @@ def _observe_engine_call(
         accepted = list(counters.accepted_per_position)[:k]
         reached = [counters.num_drafts, *accepted[:-1]]  # a position is reached once the one before is accepted
         model.observe_acceptance(reached, accepted)
+
+
+def _engine_row_steps(counters, k: int, num_tokens: int) -> int:
+    """Decoding steps of an engine (or plain) call summed over its rows: every running row drafts once per step when
+    K >= 1, and emits one token per step when K = 0."""
+    return counters.num_drafts if k else num_tokens
+
+
+def _row_rounds(counters, num_tokens: int, engine_call: tuple[int, int] | None) -> tuple[int, int]:
+    """A turn's decoding rounds summed over rows (one per row and target forward), and those of them with K = 0: the
+    HF-native generator's own rounds, or an engine or plain call (``engine_call``: batch size, K) as a whole."""
+    if isinstance(counters, SpeculativeOutput):
+        return sum(live for live, _ in counters.rounds), sum(live for live, k in counters.rounds if k == 0)
+    _, k = engine_call
+    row_steps = _engine_row_steps(counters, k, num_tokens)
+    return row_steps, 0 if k else row_steps
 
 
 def _row_weighted_mean(values: list[tuple[int, float]]) -> float:
