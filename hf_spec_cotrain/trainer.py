@@ -478,7 +478,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         and the index), so the folder is a HF sharded checkpoint of the whole policy that no rank gathered; in a
         checkpoint the last stage writes the draft and its training state first."""
         folder.mkdir(parents=True, exist_ok=True)
-        if self._saving_checkpoint and self.args.save_draft and self._writes_draft():
+        if self._saving_checkpoint and self.args.save_draft and self.writes_draft():
             self._save_draft_checkpoint(folder)
         save_pipeline_policy_shard(folder, self.parallel_step.stage.state_dict())
         if self.args.should_save:
@@ -490,7 +490,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 self.processing_class.save_pretrained(folder)
             torch.save(self.args, folder / TRAINING_ARGS_NAME)
 
-    def _writes_draft(self) -> bool:
+    def writes_draft(self) -> bool:
         """Whether this process writes the draft: the last stage under pipeline parallelism (it trains the draft,
         and generated the rollouts whose acceptance history goes with it), else the main process."""
         if not isinstance(self.parallel_step, PipelineParallelStep):
@@ -535,8 +535,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self.draft_cotrainer.load_state_dict(state)
         self.rollouts.acceptance_history = [tuple(item) for item in state["acceptance_history"]]
 
-    def save_draft(self, folder: str | os.PathLike, *, repo_id: str | None = None) -> Path:
-        """Write the draft as a vLLM-loadable folder, with its model card (README.md)."""
+    def save_draft(
+        self, folder: str | os.PathLike, *, repo_id: str | None = None, final_policy: str | None = None
+    ) -> Path:
+        """Write the draft as a vLLM-loadable folder, with its model card (README.md). ``final_policy``: the Hub id or
+        folder of the policy the draft pairs with, the run's final one, for the card (default: ``hub_model_id``);
+        call it from the process that `writes_draft`."""
         folder = Path(folder)
         self.draft.validate_weights(what=f"The draft to save in {folder}")  # healed every step: a bug if it fails
         card = render_draft_card(
@@ -545,7 +549,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             repo_id=repo_id or self._draft_repo_id(),
             training=CoTrainingRecord(
                 acceptance_history=self.rollouts.acceptance_history,
-                final_policy=self.args.hub_model_id,
+                final_policy=final_policy or self.args.hub_model_id,
                 skipped_steps=self.draft_cotrainer.skipped_steps,
                 restored_steps=self.draft_cotrainer.restored_steps,
             ),
@@ -616,7 +620,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             stages = self.parallel_dims.pipeline_parallel_size
             check_resumable(checkpoint, draft=self.args.save_draft, pipeline_stages=stages)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
-        if self.args.save_draft and self._writes_draft():
+        if self.args.save_draft and self.writes_draft():
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
             if self.args.push_draft_to_hub:
                 self.push_draft_to_hub()

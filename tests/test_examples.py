@@ -4,11 +4,14 @@ notebook executed as a user would, against the installed package."""
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 import torch
+from huggingface_hub import ModelCard
+from model_card_utils import assert_no_local_path, run_card_snippet
 from nbclient import NotebookClient
 
 from hf_spec_cotrain.scripts import grpo, letters_task, report, turns
@@ -78,7 +81,7 @@ def test_a_failing_run_lets_the_other_finish_then_raises():
     assert log == ["spec", "plain", "spec", "spec"]
 
 
-def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, capsys):
+def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_factory, capsys):
     result = grpo.main(
         [
             "--output_dir",
@@ -137,7 +140,16 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, capsys):
     assert (run / "results.png").stat().st_size > 10_000
     draft = run / "draft"
     assert json.loads((draft / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert (draft / "model.safetensors").exists() and "vllm serve" in (draft / "README.md").read_text()
+    assert (draft / "model.safetensors").exists()
+    # its card: metadata the Hub reads, the final policy saved beside it named, and a snippet that runs
+    card = (draft / "README.md").read_text()
+    data = ModelCard(card).data
+    assert data.pipeline_tag == "text-generation" and data.library_name is None and "grpo" in data.tags
+    assert "final policy of the same run**, `policy` (a local model" in card and "vllm serve policy" in card
+    assert_no_local_path(card, tmp_path_factory)
+    draft_id = re.search(r'Eagle3DraftModel.from_pretrained\("([^"]+)"', card).group(1)
+    printed = run_card_snippet(card, {"policy": run / "policy", draft_id: draft}, tmp_path)
+    assert printed.strip()  # the letters policy's tokenizer keeps only the prompt's letters: no echo to compare
     # the final policy, saved next to the draft it pairs with, and every logged metric of both runs
     assert json.loads((run / "policy" / "config.json").read_text())["num_hidden_layers"] == 12
     assert (run / "policy" / "model.safetensors").exists() and (run / "policy" / "tokenizer.json").exists()

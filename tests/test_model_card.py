@@ -3,23 +3,20 @@ GRPO run) and `hf-spec-cotrain train-draft`'s. Their front matter is read back w
 it, and the Python snippet of each card runs as written, with local folders in place of the repo ids."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from datasets import Dataset
 from huggingface_hub import ModelCard
+from model_card_utils import assert_no_local_path, run_card_snippet
 from tiny_policy import tiny_grpo_kwargs
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, cli
 from hf_spec_cotrain.testing import build_char_tokenizer
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL_POLICY_ID = "me/tiny-policy-grpo"
 DRAFT_ID = "me/tiny-policy-grpo-eagle3"
 LICENSED_README = "---\nlicense: apache-2.0\n---\n# A tiny policy\n"
@@ -57,33 +54,10 @@ def cotrained(licensed_policy_dir, tmp_path_factory):
     return trainer, output_dir / "draft", final_policy
 
 
-def _front_matter(card_text: str):
-    return ModelCard(card_text).data
-
-
-def _assert_no_local_path(card: str, tmp_path_factory) -> None:
-    assert str(tmp_path_factory.getbasetemp()) not in card and str(REPO_ROOT) not in card
-
-
-def _run_snippet(card: str, replacements: dict[str, Path], cwd: Path) -> str:
-    """The card's Python code block, run in a fresh interpreter with each repo id replaced by a local folder (the only
-    change); returns what it printed."""
-    (code,) = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)
-    for repo_id, folder in replacements.items():
-        assert f'"{repo_id}"' in code, repo_id
-        code = code.replace(f'"{repo_id}"', json.dumps(str(folder)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_cotrained_card_front_matter_is_what_the_hub_and_serving_tools_read(cotrained, tmp_path_factory):
     trainer, draft_folder, _ = cotrained
     card = (draft_folder / "README.md").read_text()
-    data = _front_matter(card)
+    data = ModelCard(card).data
     assert data.license == "apache-2.0"  # from the policy's own card
     assert data.pipeline_tag == "text-generation"
     # No library loads the draft with its standard call: `AutoModelForCausalLM` would build a random Llama from it.
@@ -91,7 +65,7 @@ def test_cotrained_card_front_matter_is_what_the_hub_and_serving_tools_read(cotr
     assert data.base_model is None  # the starting policy is a local folder: named in the text, not in the metadata
     assert "The run started from `tiny-policy` (a local model" in card
     assert {"eagle3", "speculative-decoding", "draft-model", "hf_spec_cotrain", "grpo"} <= set(data.tags)
-    _assert_no_local_path(card, tmp_path_factory)
+    assert_no_local_path(card, tmp_path_factory)
     # The draft pairs with the run's final policy, which the serving commands name.
     assert f"final policy of the same run**, [`{FINAL_POLICY_ID}`]" in card
     assert f"vllm serve {FINAL_POLICY_ID}" in card and f"--model-path {FINAL_POLICY_ID}" in card
@@ -110,7 +84,7 @@ def test_cotrained_card_front_matter_is_what_the_hub_and_serving_tools_read(cotr
 def test_cotrained_card_snippet_runs_as_written(cotrained, tmp_path):
     _, draft_folder, final_policy = cotrained
     card = (draft_folder / "README.md").read_text()
-    printed = _run_snippet(card, {FINAL_POLICY_ID: final_policy, DRAFT_ID: draft_folder}, tmp_path)
+    printed = run_card_snippet(card, {FINAL_POLICY_ID: final_policy, DRAFT_ID: draft_folder}, tmp_path)
     assert printed.startswith("Speculative decoding is") and len(printed.strip()) > len("Speculative decoding is")
 
 
@@ -126,15 +100,15 @@ def test_train_draft_writes_a_card_whose_front_matter_and_snippet_work(
         + ["--max_steps", "2", "--batch_size", "4", "--max_length", "32", "--eval_fraction", "0.25"]
     )
     card = (out / "README.md").read_text()
-    data = _front_matter(card)
+    data = ModelCard(card).data
     assert data.license == "apache-2.0" and data.pipeline_tag == "text-generation"
     assert data.library_name is None and data.base_model is None
     assert {"eagle3", "warm-start"} <= set(data.tags) and "grpo" not in data.tags
-    _assert_no_local_path(card, tmp_path_factory)
+    assert_no_local_path(card, tmp_path_factory)
     assert "**warm-started\noffline**" in card and "`tiny-policy`" in card
     assert "| Training steps | 2 |" in card and "## Acceptance during RL" not in card
     agreement = card.split("## Held-out agreement", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^\| (\d) \| \d\.\d{3} \|$", agreement, flags=re.MULTILINE) == ["0", "1", "2"]
     assert "vllm serve tiny-policy" in card
-    printed = _run_snippet(card, {"tiny-policy": licensed_policy_dir, "me/tiny-warm-eagle3": out}, tmp_path)
+    printed = run_card_snippet(card, {"tiny-policy": licensed_policy_dir, "me/tiny-warm-eagle3": out}, tmp_path)
     assert printed.startswith("Speculative decoding is")

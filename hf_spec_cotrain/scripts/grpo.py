@@ -262,8 +262,11 @@ def main(argv: list[str] | None = None) -> dict:
             seconds["plain"] = timed_train(baseline)
             close_engine(baseline)
     progress.close()
-    # The co-trained draft (written by `train` into output_dir/draft) pairs with the policy it was trained with.
+    # The co-trained draft pairs with the policy it was trained with: save that policy beside it, and say so in the
+    # draft's card (`train` wrote the draft before the policy had a folder).
     trainer.save_model(str(output_dir / "policy"))
+    if config.save_draft and trainer.writes_draft():
+        trainer.save_draft(output_dir / "draft", final_policy=str(output_dir / "policy"))
     runs = {"spec": (trainer.state.log_history, seconds["spec"] - (probe.seconds if probe else 0.0))}
     if baseline is not None:
         runs["plain"] = (baseline.state.log_history, seconds["plain"])

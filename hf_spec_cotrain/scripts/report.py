@@ -22,7 +22,8 @@ STEP_COLUMNS = {
     "tokens_per_s_plain": ("plain", "rollout/tokens_per_second"),
     "num_speculative_tokens": ("spec", "spec/num_speculative_tokens"),
     "predicted_speedup": ("spec", "spec/predicted_speedup"),
-    "acceptance_rollouts": ("spec", "spec/acceptance_length"),
+    "acceptance_rollouts": ("spec", "spec/acceptance_length"),  # over the rounds that drafted (NaN: none did)
+    "plain_round_share": ("spec", "spec/plain_round_share"),  # rounds the cost model decoded plainly (K = 0)
 }
 PROBE_COLUMNS = ["acceptance_cotrained", "acceptance_frozen", "kl_from_initial", "distinct_4grams"]
 TIME_PARTS = ("generation", "draft_training", "weight_sync", "policy_training")
