@@ -190,7 +190,9 @@ def test_example_compares_vllm_rollouts_with_and_without_a_draft(tmp_path, vllm_
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert row["tokens_per_s_spec"] > 0 and row["tokens_per_s_plain"] > 0
-        assert row["acceptance_rollouts"] >= 1.0
+        # acceptance over the calls that drafted; a step whose calls the cost model decoded plainly has none
+        assert math.isnan(row["acceptance_rollouts"]) == (row["plain_round_share"] == 1.0)
+        assert math.isnan(row["acceptance_rollouts"]) or row["acceptance_rollouts"] >= 1.0
     for run in ("spec", "plain"):
         assert 0 < summary[run]["share_weight_sync"] < 1  # both engines get the policy every step
     assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
