@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import is_peft_model
+from accelerate.utils import is_peft_model, patch_environment
 from safetensors.torch import load_file
+from transformers.integrations import is_fsdp_enabled as fsdp_loads_on_rank_zero_only
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
@@ -72,6 +73,12 @@ def _hidden_from(args, values: dict):
     finally:
         for name, value in saved.items():
             setattr(args, name, value)
+
+
+def _broadcast_module(module: torch.nn.Module, *, src: int) -> None:
+    """Every parameter and buffer of `module` from rank `src` (in place), on every rank of the world."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=src)
 
 
 class SpecCoTrainGRPOTrainer(GRPOTrainer):
@@ -139,6 +146,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             tools=bool(self.tools),
         )
         self.parallel_dims.check_policy(self._policy(), aux_loss=self.aux_loss_enabled)
+        self._share_weights_read_on_rank_zero()
         self.draft = self._build_draft(draft_model)
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
         self.step_times = StepTimes(self._metrics)
@@ -197,6 +205,15 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         elif self.parallel_dims.pp_enabled:
             self.parallel_step = PipelineParallelStep(self)
 
+    def create_accelerator_and_postprocess(self):
+        """Without a parallelism config in the arguments accelerate builds one from `accelerate launch`'s environment,
+        and refuses any on CPU. Under context parallelism the config has already taken those sizes (and dropped them
+        on CPU, where the trainer builds the mesh itself): accelerate must not read them again."""
+        if self.args.context_parallel_size > 1 and self.args.parallelism_config is None:
+            with patch_environment(ACCELERATE_USE_PARALLELISM_CONFIG="false"):
+                return super().create_accelerator_and_postprocess()
+        return super().create_accelerator_and_postprocess()
+
     def _load_reference_stage(self):
         """This rank's stage of the reference model, prepared as TRL prepares its whole one."""
         policy = self._policy()
@@ -212,6 +229,18 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if self.args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(ref_model=reference, accelerator=self.accelerator))
         return reference
+
+    def _share_weights_read_on_rank_zero(self) -> None:
+        """Under FSDP's CPU-RAM-efficient loading (`fsdp_cpu_ram_efficient_loading`) transformers reads a model's
+        weights on local rank 0 only, leaving zeros elsewhere for FSDP to broadcast when it wraps the model. Where
+        accelerate dropped FSDP (on CPU) nothing would: DDP does not wrap the reference model, and the trainer's own
+        FSDP2 shards what each rank holds. So the policy and the reference model get rank 0's weights here. Pipeline
+        stages differ per rank: `load_pipeline_stage` reads each on its own rank."""
+        if not fsdp_loads_on_rank_zero_only() or self.is_fsdp_enabled or self.parallel_dims.pp_enabled:
+            return
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                _broadcast_module(model, src=0)
 
     def _shard_with_fsdp2(self, mesh) -> None:
         """FSDP2 of the policy (and of the reference model) over `mesh` where accelerate dropped FSDP (on CPU);
@@ -277,8 +306,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         draft.to(device=self.accelerator.device, dtype=torch.float32)  # fp32 master weights for a small head
         draft.train()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for tensor in [*draft.parameters(), *draft.buffers()]:
-                dist.broadcast(tensor.data, src=source)
+            _broadcast_module(draft, src=source)
         return draft
 
     def _prompt_token_counts(self) -> torch.Tensor:

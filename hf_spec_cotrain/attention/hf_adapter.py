@@ -11,6 +11,11 @@ zigzag shard, exact (the same result as one device). The layout *is* the mask, s
 mask function and transformers builds no dense mask for it. Each layer passes its own `sliding_window` (None for
 gpt-oss's and Gemma-style full-attention layers, the config's for Mistral's every layer) and gpt-oss its sinks
 (`s_aux`), as they do to transformers' own implementations.
+
+Under autocast (accelerate's `mixed_precision`) a layer hands over q and k in float32 (RoPE tables follow the float32
+residual stream) and v in the autocast dtype. transformers' SDPA (an autocast op) and eager attention (autocast
+matmuls) compute in the autocast dtype, so the implementation casts q, k and v to it as well; `branch_attention`
+itself keeps refusing mixed dtypes.
 """
 
 from collections.abc import Iterator
@@ -68,6 +73,7 @@ def zigzag_ring_attention_forward(
         raise ValueError(f"Context-parallel attention has no logit soft-cap; this layer asks for softcap={softcap}.")
     if dropout:
         raise ValueError(f"Context-parallel attention has no dropout; got dropout={dropout} (set it to 0).")
+    query, key, value = (_as_autocast_would(tensor) for tensor in (query, key, value))
     out = branch_attention(
         query,
         key,
@@ -79,6 +85,14 @@ def zigzag_ring_attention_forward(
         sinks=s_aux,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _as_autocast_would(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in the enclosing autocast's dtype, as autocast casts the inputs of SDPA (float64 is left alone)."""
+    device_type = tensor.device.type
+    if not torch.is_autocast_enabled(device_type) or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(torch.get_autocast_dtype(device_type))
 
 
 def register_zigzag_ring_attention() -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import patch_environment
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
@@ -243,9 +244,12 @@ class Eagle3DraftModel(PreTrainedModel):
         kwargs.setdefault("key_mapping", SPECULATORS_KEY_MAPPING)  # a speculators checkpoint's first layer
         _check_folder_or_repo_id(pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
-        draft, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
+        # Under FSDP's CPU-RAM-efficient loading transformers reads the weights on local rank 0 only and leaves zeros
+        # elsewhere for FSDP to broadcast; the draft is replicated, never FSDP-wrapped, so every rank reads it.
+        with patch_environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):
+            draft, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
         what = f"The draft checkpoint {pretrained_model_name_or_path}"
         missing = set(info["missing_keys"])
         missing_weights = sorted(missing - set(VOCAB_MAPS))

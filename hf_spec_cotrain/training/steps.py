@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
+from accelerate.utils import patch_environment
 from transformers import AutoConfig, PreTrainedModel
 from trl.trainer.utils import create_model_from_path, pad
 
@@ -208,7 +209,10 @@ def load_pipeline_stage(name_or_path: str, args, **defaults) -> PreTrainedModel:
     architecture = pipeline_stage_class(
         config, state.process_index, args.pipeline_parallel_size, trust_remote_code=kwargs["trust_remote_code"]
     )
-    return create_model_from_path(name_or_path, architecture=architecture, **kwargs)
+    # Each rank reads its own stage, which FSDP never wraps: not only local rank 0, as transformers does under FSDP's
+    # CPU-RAM-efficient loading (the other ranks would keep zeros).
+    with patch_environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):
+        return create_model_from_path(name_or_path, architecture=architecture, **kwargs)
 
 
 class PipelineParallelStep(TrainingStepStrategy):
