@@ -11,7 +11,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from trl import GRPOConfig
 
 from .generation import DRAFT_SAMPLING_METHODS
-from .parallel.dims import ParallelDims
+from .parallel.dims import ParallelDims, launcher_fsdp_version
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
 
@@ -372,7 +372,9 @@ class SpecCoTrainConfig(GRPOConfig):
             )
         self.context_parallel_size = parallelism.cp_size
         self._data_parallel_shard_size = parallelism.dp_shard_size  # checked against the world size by the trainer
-        if parallelism.dp_shard_enabled and not self.fsdp:
+        # An FSDP launch config is accelerate's to apply as written (`fsdp` here would have transformers rebuild FSDP
+        # from `fsdp_config`'s defaults, dropping the launch config's own settings, CPU-RAM-efficient loading first).
+        if parallelism.dp_shard_enabled and not self.fsdp and launcher_fsdp_version() is None:
             self.fsdp = True
             self.fsdp_config = {"fsdp_version": 2, **(self.fsdp_config or {})}
         on_cpu = self.use_cpu or not torch.accelerator.is_available()

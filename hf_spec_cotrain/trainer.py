@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_model, patch_environment
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers.integrations import is_fsdp_enabled as fsdp_loads_on_rank_zero_only
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
@@ -41,7 +42,7 @@ from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
 from .hub import CoTrainingRecord, model_license, push_draft_folder, render_draft_card
 from .parallel.dims import ParallelDims
-from .parallel.fsdp import apply_fsdp2
+from .parallel.fsdp import apply_fsdp2, gathered_for_generation
 from .taps import TapRecorder
 from .training.checkpoints import (
     DRAFT_FOLDER,
@@ -146,6 +147,18 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             tools=bool(self.tools),
         )
         self.parallel_dims.check_policy(self._policy(), aux_loss=self.aux_loss_enabled)
+        # Where accelerate dropped FSDP (on CPU), a context-parallel run shards the policy itself.
+        self._shards_policy_itself = (
+            self.parallel_dims.cp_enabled and self.parallel_dims.fsdp and not self.is_fsdp_enabled
+        )
+        if self._shards_policy_itself and args.save_strategy != "no":
+            strategy = getattr(args.save_strategy, "value", args.save_strategy)
+            raise ValueError(
+                f"`save_strategy`={strategy!r} with FSDP2 that the trainer applies itself (on CPU, where accelerate "
+                "drops FSDP) is not supported: each rank would checkpoint its own shard of the optimizer state, which "
+                "no resume reads back. Set `save_strategy='no'` (the final `save_model` gathers the whole policy), or "
+                "run FSDP2 on accelerators, where accelerate shards and checkpoints it."
+            )
         self._share_weights_read_on_rank_zero()
         self.draft = self._build_draft(draft_model)
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
@@ -199,7 +212,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
         if self.parallel_dims.cp_enabled:
             mesh = self.parallel_dims.build_mesh(self.accelerator.device.type)
-            if self.parallel_dims.fsdp and not self.is_fsdp_enabled:
+            if self._shards_policy_itself:
                 self._shard_with_fsdp2(mesh["dp_shard_cp"])
             self.parallel_step = ContextParallelStep(self, mesh["cp"].get_group())
         elif self.parallel_dims.pp_enabled:
@@ -469,7 +482,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     @contextmanager
     def _policy_for_generation(self):
-        """The policy as TRL unwraps it for its own generation (DeepSpeed-3 gathered, full FSDP parameters)."""
+        """The policy as TRL unwraps it for its own generation (DeepSpeed-3 gathered, full FSDP parameters), with
+        FSDP2's parameters gathered too: a speculative loop's forwards differ in number between ranks."""
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,
@@ -479,6 +493,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             ) as unwrapped_model,
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
+            gathered_for_generation(unwrapped_model),
         ):
             yield unwrapped_model
 
@@ -497,7 +512,13 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if isinstance(self.parallel_step, PipelineParallelStep):
             self._save_pipeline_stages(Path(output_dir or self.args.output_dir))
             return
-        super().save_model(output_dir, _internal_call)
+        if self._shards_policy_itself:  # transformers would save each rank's shards: gather the whole policy first
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole on rank 0 only
+            state_dict = get_model_state_dict(self._policy(), options=options)
+            if self.args.should_save:
+                self._save(output_dir, state_dict=state_dict)
+        else:
+            super().save_model(output_dir, _internal_call)
         if self._saving_checkpoint and self.args.save_draft and self.args.should_save:
             self._save_draft_checkpoint(Path(output_dir))
 

@@ -65,30 +65,19 @@ LAUNCHES = {
     "context_parallel": Launch(
         "context_parallel", TWO_PROCESSES, ("--context_parallel_size", "2"), context_parallel_size=2
     ),
-    # dp_shard 1 x cp 2: on CPU accelerate drops FSDP and the mesh is DDP x CP
+    # its own shape at 4 processes: dp_shard 2 x cp 2, the policy sharded over all 4 (on CPU by the trainer, where
+    # accelerate dropped FSDP) and each sequence over a context-parallel pair
     "fsdp2_context_parallel": Launch(
         "fsdp2_context_parallel",
-        (*TWO_PROCESSES, "--parallelism_config_dp_shard_size", "1", "--parallelism_config_cp_size", "2"),
+        ("--num_processes", "4", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "2"),
         WITH_REFERENCE,
+        world_size=4,
         context_parallel_size=2,
     ),
     "pipeline_parallel": Launch(
         "pipeline_parallel", TWO_PROCESSES, ("--pipeline_parallel_size", "2"), pipeline_parallel_size=2
     ),
 }
-# dp_shard 2 x cp 2: the trainer shards the policy with FSDP2 itself on CPU.
-SHARDED_ON_CPU_FAILS = (
-    "Speculative rollouts on an FSDP2-sharded policy all-gather in every forward while ranks decode different numbers "
-    "of rounds: gloo pairs mismatched collectives and aborts. With `--speculative_decoding False` the steps run, then "
-    "saving the sharded policy fails (the trainer shards it itself on CPU, where accelerate dropped FSDP)."
-)
-SHARDED_ON_CPU = Launch(
-    "fsdp2_context_parallel",
-    ("--num_processes", "4", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "2"),
-    WITH_REFERENCE,
-    world_size=4,
-    context_parallel_size=2,
-)
 
 
 @dataclass(frozen=True)
@@ -134,8 +123,14 @@ def launch_job(launch: Launch, cache: Path, folder: Path) -> float:
     return seconds
 
 
+def whole(recorded: dict[str, dict], checkpoint: dict[str, float]) -> dict[str, dict]:
+    """The recorded tensors of the checkpoint that this rank holds whole (not a shard)."""
+    return {name: tensor for name, tensor in recorded.items() if not tensor["sharded"] and name in checkpoint}
+
+
 def assert_same_sums(recorded: dict[str, dict], checkpoint: dict[str, float], what: str) -> None:
-    """Each recorded tensor that the checkpoint holds has its sum (a pipeline stage holds some of them)."""
+    """Each recorded tensor that the checkpoint holds has its sum (a pipeline stage holds some of them); a sharded one
+    is recorded by the sum of its shards over the ranks."""
     shared = recorded.keys() & checkpoint.keys()
     assert shared, f"{what}: no tensor in common with the checkpoint"
     wrong = [name for name in shared if recorded[name]["sum"] != pytest.approx(checkpoint[name], rel=1e-9, abs=1e-9)]
@@ -144,23 +139,16 @@ def assert_same_sums(recorded: dict[str, dict], checkpoint: dict[str, float], wh
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "name",
-    [
-        *LAUNCHES,
-        pytest.param(
-            "fsdp2_context_parallel-sharded", marks=pytest.mark.xfail(run=False, reason=SHARDED_ON_CPU_FAILS)
-        ),
-    ],
-)
+@pytest.mark.parametrize("name", LAUNCHES)
 def test_shipped_config_launches_the_main_job(name, embedded_cache, tmp_path):
-    launch = LAUNCHES.get(name, SHARDED_ON_CPU)
+    launch = LAUNCHES[name]
     file_config = load_config_from_file(str(CONFIGS / f"{launch.config}.yaml"))
     launch_job(launch, embedded_cache.folder, tmp_path)
 
     records = [json.loads(path.read_text()) for path in sorted((tmp_path / "records").glob("rank*.json"))]
     assert [record["rank"] for record in records] == list(range(launch.world_size))
     ram_efficient = bool((file_config.fsdp_config or {}).get("fsdp_cpu_ram_efficient_loading", False))
+    models = ("policy", "reference") if WITH_REFERENCE[0] in launch.job_args else ("policy",)
     for record in records:
         rank = f"rank {record['rank']}"
         assert record["world_size"] == launch.world_size, rank
@@ -172,11 +160,17 @@ def test_shipped_config_launches_the_main_job(name, embedded_cache, tmp_path):
         assert record["context_parallel_size"] == launch.context_parallel_size, rank
         assert record["pipeline_parallel_size"] == launch.pipeline_parallel_size, rank
         assert record["global_step"] == MAX_STEPS, rank
-        # every rank starts from the checkpoints, whatever rank read them
-        assert_same_sums(record["policy"], embedded_cache.policy_sums, f"{rank} policy")
-        if WITH_REFERENCE[0] in launch.job_args:
-            assert_same_sums(record["reference"], embedded_cache.policy_sums, f"{rank} reference model")
+        # every rank starts from the checkpoints, whatever rank read them: what it holds whole, by itself
+        for model in models:
+            if held := whole(record[model], embedded_cache.policy_sums):
+                assert_same_sums(held, embedded_cache.policy_sums, f"{rank} {model}")
         assert_same_sums(record["draft_begin"], embedded_cache.draft_sums, f"{rank} draft")
+    for model in models:  # and what FSDP2 shards over every rank of the mesh, by its shards' sum
+        shards = {name for name, tensor in records[0][model].items() if tensor["sharded"]}
+        assert bool(shards) == (launch.config == "fsdp2_context_parallel"), model
+        if shards:
+            over_ranks = {name: {"sum": sum(record[model][name]["sum"] for record in records)} for name in shards}
+            assert_same_sums(over_ranks, embedded_cache.policy_sums, f"{model} sharded over the ranks")
     if launch.pipeline_parallel_size == 1:  # the draft is replicated: its averaged updates keep it so
         assert all(record["draft_end"] == records[0]["draft_end"] for record in records)
 

@@ -107,7 +107,22 @@ def test_context_parallel_sizes_come_from_accelerates_parallelism_config(tmp_pat
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     assert (_config(tmp_path).context_parallel_size, _config(tmp_path).fsdp) == (4, True)
-    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG")
+    # Launched with an FSDP config, FSDP is accelerate's to build as the file says: `fsdp` here would have
+    # transformers rebuild it from `fsdp_config`'s defaults (CPU-RAM-efficient loading off, whatever the file said).
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert _config(tmp_path).fsdp is True  # an `Accelerator` given a plugin sets that alone, in its process
+    monkeypatch.setenv("FSDP_VERSION", "2")  # what `accelerate launch` exports with it
+    launched = _config(tmp_path)
+    assert (launched.context_parallel_size, launched.fsdp) == (4, None)
+    assert (
+        ParallelDims.from_config(launched, world_size=8).fsdp,
+        ParallelDims.from_config(launched, world_size=8).dp,
+    ) == (True, 2)
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"cannot be combined with \['fsdp_version=1'\]"):
+        _config(tmp_path)
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        monkeypatch.delenv(name)
 
     with pytest.raises(ValueError, match="`context_parallel_size`=4 contradicts the parallelism config's `cp_size`=2"):
         _config(tmp_path, context_parallel_size=4, parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=2))

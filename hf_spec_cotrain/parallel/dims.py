@@ -11,6 +11,7 @@ of a run that those parallelisms cannot honour, so that the config (at construct
 with the facts only it knows) reject the same things with the same messages.
 """
 
+import os
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -108,7 +109,11 @@ class ParallelDims:
         accelerate's FSDP version, a PEFT policy, tool calls. FSDP is also on when the config asks for it (`fsdp`, or a
         `parallelism_config` that shards), even where accelerate dropped it (on CPU).
         """
-        fsdp = fsdp or bool(config.fsdp) or _fsdp_shards(config.parallelism_config)
+        launched_fsdp_version = launcher_fsdp_version()
+        fsdp = (
+            fsdp or bool(config.fsdp) or _fsdp_shards(config.parallelism_config) or launched_fsdp_version is not None
+        )
+        fsdp_version = fsdp_version or launched_fsdp_version
         data_parallel_size = getattr(config, "_data_parallel_shard_size", None)  # from a `ParallelismConfig`
         dims = cls(config.context_parallel_size, config.pipeline_parallel_size, world_size, fsdp, data_parallel_size)
         if dims.cp_enabled:
@@ -207,6 +212,15 @@ def _refuse_policy(setting: str, family: str, reasons: dict[str, bool], instead:
     holding = [reason for reason, holds in reasons.items() if holds]
     if holding:
         raise ValueError(f"{setting} cannot train this {family} policy: {'; '.join(holding)}. Instead, {instead}")
+
+
+def launcher_fsdp_version() -> int | None:
+    """The FSDP version `accelerate launch` was asked for (an FSDP config), or None. accelerate builds FSDP from
+    these settings, even where it then drops it (on CPU). The launcher exports `FSDP_VERSION` with
+    `ACCELERATE_USE_FSDP`; an `Accelerator` given an FSDP plugin sets the latter alone, in its own process."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true") or "FSDP_VERSION" not in os.environ:
+        return None
+    return int(os.environ["FSDP_VERSION"])
 
 
 def _fsdp_shards(parallelism_config) -> bool:

@@ -1,11 +1,19 @@
-"""FSDP2 of the policy where accelerate does not apply it: on CPU, accelerate drops FSDP and runs DDP, so a
-context-parallel run that asks for FSDP2 shards its models here, the way accelerate's FSDP2 preparation does on an
-accelerator: `fully_shard` on every transformer block (the model's `_no_split_modules`), then on the root.
+"""FSDP2 where the package needs it beyond accelerate.
+
+* `apply_fsdp2`: on CPU, accelerate drops FSDP and runs DDP, so a context-parallel run that asks for FSDP2 shards its
+  models here, the way accelerate's FSDP2 preparation does on an accelerator: `fully_shard` on every transformer block
+  (the model's `_no_split_modules`), then on the root.
+* `gathered_for_generation`: a sharded forward is a collective that every rank must join, but a speculative decoding
+  loop runs as many forwards as its own rows need, which differ between ranks. The policy is gathered whole once
+  (every rank at once), the loop's forwards then need no communication, and it is sharded again after.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -28,4 +36,34 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-__all__ = ["apply_fsdp2"]
+@contextmanager
+def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with the parameters of each of its FSDP2 modules gathered whole for the duration (a collective: every
+    rank enters together); forwards inside need no communication. A model without FSDP2 modules is left as it is.
+
+    Inside, no module reshards after its forward. On the way out each is sharded again and gets back its setting:
+    accelerate and `fully_shard` choose it per module (blocks by the config, output layers not); the root (the first
+    FSDP2 module) never reshards after forward, as FSDP2 sets a root whose setting was left to it (its first forward
+    may come inside, before FSDP2 has set it)."""
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    settings = [index > 0 and _reshards_after_forward(module) for index, module in enumerate(modules)]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module, reshards in zip(modules, settings):
+            module.reshard()
+            module.set_reshard_after_forward(reshards, recurse=False)
+
+
+def _reshards_after_forward(module: FSDPModule) -> bool:
+    """The module's `reshard_after_forward`. torch (2.13) has a setter for it and no getter: a parameter group that
+    reshards after forward is one with a post-forward mesh (what the setter writes). tests/distributed/
+    test_fsdp_generation.py checks the round trip by what a forward leaves sharded."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(group.post_forward_mesh_info is not None for group in groups)
+
+
+__all__ = ["apply_fsdp2", "gathered_for_generation"]

@@ -8,9 +8,12 @@ policy's log-probs), so that both scoring passes run; or "-fsdp": 16 rows of 4 p
 processes under accelerate's `ParallelismConfig(dp_shard_size=2, cp_size=2)`: FSDP2 x CP on a 2-D mesh.
 """
 
+from pathlib import Path
+
 import torch
 from accelerate.parallelism_config import ParallelismConfig
 from cotrain_cases import PROMPTS, equality_run_config, equality_trainer, fixed_completions, main, record_training
+from safetensors.torch import load_file
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
 
@@ -44,19 +47,41 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         options["context_parallel_size"] = 2
     if mode == "cp" and variant == "fsdp":  # the sizes as accelerate's config: the trainer takes cp_size from it
         options |= {"context_parallel_size": 1, "parallelism_config": ParallelismConfig(dp_shard_size=2, cp_size=2)}
-    config = equality_run_config(
-        out_dir,
-        speculative_decoding=False,
-        router_aux_loss_coef=0.0,  # an MoE policy's (gpt-oss) auxiliary loss, which TRL adds by default, is refused
-        **options,
-    )
+
+    def run_config(**more):
+        return equality_run_config(
+            out_dir,
+            speculative_decoding=False,
+            router_aux_loss_coef=0.0,  # an MoE policy's (gpt-oss) auxiliary loss, which TRL adds by default, is refused
+            **options,
+            **more,
+        )
+
+    config = run_config()
+    checkpoints_refused = None
+    if mode == "cp" and variant == "fsdp":  # the trainer shards the policy itself here: checkpoints are refused
+        try:
+            equality_trainer(FixedRolloutTrainer, policy_dir, run_config(save_strategy="steps"), prompts=prompts)
+        except ValueError as error:
+            checkpoints_refused = str(error)
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config, prompts=prompts)
     policy_shapes = record_forward_shapes(trainer._policy())
     reference_shapes = [] if trainer.ref_model is None else record_forward_shapes(trainer.unwrapped(trainer.ref_model))
     step = trainer.parallel_step
     record = record_training(trainer)
+    saved = None
+    if variant == "fsdp":  # the final save gathers the sharded policy whole (on rank 0)
+        trainer.save_model(f"{out_dir}/final")
+        if trainer.accelerator.is_main_process:
+            saved = {
+                name: tensor
+                for file in Path(out_dir, "final").glob("*.safetensors")
+                for name, tensor in load_file(file).items()
+            }
     return {
         **record,
+        "checkpoints_refused": checkpoints_refused,
+        "saved_policy": saved,
         "policy_shapes": policy_shapes,
         "reference_shapes": reference_shapes,
         "cp_group": [] if step is None else torch.distributed.get_process_group_ranks(step.group),

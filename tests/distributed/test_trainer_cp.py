@@ -4,6 +4,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from cotrain_cases import (
     DRAFT_METRICS,
     assert_same_step_logs,
@@ -40,7 +41,9 @@ def test_scoring_passes_run_sharded_and_equal_the_single_process_steps(tmp_path,
     shards of packed rows (batch 1, never a whole row) and give the single process's KL, loss and updates."""
     cp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "cp", variant="kl")
 
-    assert_equal_runs(cp, single, ["loss", "entropy", "kl"], loosen=1.0)
+    # Two more sharded passes (reference, old policy) round in the loss: measured 1.3e-5 of the largest entry of a
+    # layer norm's gradient (2026-12-04, 2 threads, AVX-512), past the 1e-5 that one pass needs.
+    assert_equal_runs(cp, single, ["loss", "entropy", "kl"], loosen=2.0)
     assert single["step_logs"][1]["kl"] > 0  # the second step's policy has moved from the reference
     for record in cp:
         no_grad = [shape for grad, shape in record["policy_shapes"] if not grad]
@@ -61,6 +64,13 @@ def test_fsdp2_and_context_parallel_on_a_2d_mesh_equal_the_single_process_steps(
         rank = record["rank"]
         assert record["cp_group"] == [rank - rank % 2, rank - rank % 2 + 1]
         assert record["policy_param_types"] == ["DTensor"]  # really sharded
+        # each rank would checkpoint its own shard of the optimizer state: refused at construction, with the way out
+        assert "`save_strategy`='steps' with FSDP2 that the trainer applies itself" in record["checkpoints_refused"]
+    # the final save gathers the whole policy: what rank 0 wrote is every parameter as trained
+    saved = fsdp[0]["saved_policy"]
+    assert saved.keys() >= fsdp[0]["policy_params"].keys() - {"lm_head.weight"}
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, fsdp[0]["policy_params"][name], rtol=0, atol=0, msg=name)
 
 
 def assert_equal_runs(cp: list[dict], single: dict, logged: list[str], *, loosen: float) -> None:
