@@ -40,6 +40,8 @@ if [ "$stack" = newest ]; then
     rm -rf "$dist"
     "${pip[@]}" wheel -q --no-deps --wheel-dir "$dist" "$root"
     wheel=("$dist"/hf_spec_cotrain-*.whl)
+    # The same version number as a wheel installed before: pip would keep the old one.
+    "${pip[@]}" uninstall -y -q hf-spec-cotrain 2>/dev/null || true
     "${pip[@]}" install -q --upgrade --upgrade-strategy eager -c <(echo "$cpu_torch") "${wheel[0]}[dev]"
     # Each library this stack exists to test must be at the newest release the registry serves.
     for name in transformers accelerate trl peft datasets huggingface_hub; do
