@@ -2,7 +2,6 @@
 Python snippet run as a reader would run it."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,9 +22,8 @@ def run_card_snippet(card: str, replacements: dict[str, Path], cwd: Path) -> str
     for repo_id, folder in replacements.items():
         assert f'"{repo_id}"' in code, repo_id
         code = code.replace(f'"{repo_id}"', json.dumps(str(folder)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+    done = subprocess.run(  # with the installed package, as a reader of the card would run it
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
