@@ -1,16 +1,21 @@
 """`SpecCoTrainGRPOTrainer`: TRL's GRPO step with an EAGLE-3 draft co-trained online on the policy's own taps.
 
-The trainer holds three components and wires them into TRL's hooks:
+The trainer holds three components, each built once in ``__init__``, and wires them into TRL's hooks; each hook it
+overrides is one call into one of them:
 
 * `DraftCoTrainer` (``draft_cotrainer``): the draft's TTT on the taps that ``_compute_loss`` records from the
   policy's *own* training forward (hooks, no extra forward pass), run after the policy's backward; the draft's
   optimizer step right after the policy's (`DraftUpdateCallback`); the ``draft/*`` metrics; its checkpoint state.
-* `SpeculativeRollouts` (``rollouts``): ``_generate_single_turn`` generates with the draft of this very step,
-  HF-native or in a vLLM engine that holds the policy and the draft, and falls back to plain generation (logged)
-  when the draft cannot be used; the ``spec/*`` metrics.
-* a training-step strategy (``parallel_step``) under context parallelism (`ContextParallelStep`) or pipeline
-  parallelism (`PipelineParallelStep`), chosen by the `ParallelDims` of the run; None under data parallelism,
-  where TRL's own ``training_step`` runs.
+* the parallel strategy (``parallel``, `build_parallel_strategy` from the run's `ParallelDims`, after
+  `parallelize_policy` applied the parallelisms in order): `DataParallel` (TRL's own step), `ContextParallel` or
+  `PipelineParallel`. It owns the training step, scoring log-probs, the gradient norm and clipping, saving and
+  loading the policy's checkpoint shards, and the policy that HF-native generation runs on. It gets TRL's behaviour
+  and bookkeeping as callables (`TRLHooks`), never the trainer.
+* `SpeculativeRollouts` (``rollouts``, `build_rollouts`): ``_generate_single_turn`` sends speculative turns there
+  (plain ones to TRL's generation, or, under pipeline parallelism where no rank holds the whole policy, there too).
+  They run on the backend of the run's path (HF-native, pipelined HF-native, colocated vLLM, a server, a server the
+  stages push into) with the draft of this very step, choose plain decoding where adaptive speculation expects it to
+  be faster, fall back to it (logged) when the draft cannot be used, and log the ``spec/*`` metrics.
 
 Checkpoints hold the draft (a vLLM-loadable folder) and its optimizer and scheduler state, written before
 transformers marks the checkpoint complete and deletes old ones; resuming from a checkpoint without them is an error
@@ -26,15 +31,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_model, patch_environment
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers.integrations import is_fsdp_enabled as fsdp_loads_on_rank_zero_only
-from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.data_utils import apply_chat_template, is_conversational
-from trl.models import unwrap_model_for_generation
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
@@ -42,21 +43,14 @@ from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
 from .hub import CoTrainingRecord, model_license, push_draft_folder, render_draft_card
 from .parallel.dims import ParallelDims
-from .parallel.fsdp import apply_fsdp2, gathered_for_generation
 from .taps import TapRecorder
-from .training.checkpoints import (
-    DRAFT_FOLDER,
-    DRAFT_STATE_FILE,
-    check_resumable,
-    load_pipeline_stage_state,
-    pipeline_stage_file,
-    save_pipeline_policy_shard,
-    save_pipeline_stage_states,
-    write_atomically,
-)
-from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback, RecordedTaps
-from .training.rollouts import RolloutSampling, SpeculativeRollouts, build_rollout_engine
-from .training.steps import ContextParallelStep, PipelineParallelStep, load_pipeline_stage
+from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically
+from .training.data_parallel import TRLHooks
+from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback
+from .training.pipeline_parallel import load_pipeline_stage
+from .training.rollout_backends import RolloutSampling, build_rollout_engine
+from .training.rollouts import build_rollouts
+from .training.strategy import GRPOLoss, build_parallel_strategy, unwrapped_hf
 from .training.timing import StepTimes, StepTimesCallback
 
 
@@ -148,10 +142,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
         self.parallel_dims.check_policy(self._policy(), aux_loss=self.aux_loss_enabled)
         # Where accelerate dropped FSDP (on CPU), a context-parallel run shards the policy itself.
-        self._shards_policy_itself = (
-            self.parallel_dims.cp_enabled and self.parallel_dims.fsdp and not self.is_fsdp_enabled
-        )
-        if self._shards_policy_itself and args.save_strategy != "no":
+        shards_policy_itself = self.parallel_dims.cp_enabled and self.parallel_dims.fsdp and not self.is_fsdp_enabled
+        if shards_policy_itself and args.save_strategy != "no":
             strategy = getattr(args.save_strategy, "value", args.save_strategy)
             raise ValueError(
                 f"`save_strategy`={strategy!r} with FSDP2 that the trainer applies itself (on CPU, where accelerate "
@@ -183,7 +175,31 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 tokenizer=self._tokenizer,
                 max_num_seqs=args.per_device_train_batch_size * args.steps_per_generation,
             )
-        self.rollouts = SpeculativeRollouts(
+        self.parallel = build_parallel_strategy(
+            self.parallel_dims,
+            self._trl_hooks(),
+            model=self.model,
+            policy=self._policy(),
+            reference_model=self.ref_model,
+            draft=self.draft,
+            aux_layer_ids=self.aux_layer_ids,
+            draft_cotrainer=self.draft_cotrainer,
+            accelerator=self.accelerator,
+            args=args,
+            distributed=self._dist,
+            processing_class=self.processing_class,
+            pad_token_id=self._tokenizer.pad_token_id,
+            loss=GRPOLoss(
+                temperature=self.temperature,
+                epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+                loss_type=self.loss_type,
+                beta=self.beta,
+                max_completion_length=self.max_completion_length,
+            ),
+            shards_policy_itself=shards_policy_itself,
+        )
+        self.rollouts = build_rollouts(
             self.draft,
             args,
             self.accelerator,
@@ -198,8 +214,10 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             ),
             metrics=self._metrics,
             policy=lambda: self.accelerator.unwrap_model(self.model),
+            policy_for_generation=self.parallel.policy_for_generation,
+            trl_generation=self._trl_generation,
             engine=engine,
-            generates_for_all_ranks=self.parallel_dims.pp_enabled,
+            pipeline=self.parallel.generation_pipeline(),
             step_times=self.step_times,
         )
         if args.speculative_decoding:
@@ -209,14 +227,36 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 if engine is not None:
                     engine.close()
                 raise
-        self.parallel_step: ContextParallelStep | PipelineParallelStep | None = None
-        if self.parallel_dims.cp_enabled:
-            mesh = self.parallel_dims.build_mesh(self.accelerator.device.type)
-            if self._shards_policy_itself:
-                self._shard_with_fsdp2(mesh["dp_shard_cp"])
-            self.parallel_step = ContextParallelStep(self, mesh["cp"].get_group())
-        elif self.parallel_dims.pp_enabled:
-            self.parallel_step = PipelineParallelStep(self)
+
+    def _trl_hooks(self) -> TRLHooks:
+        """TRL's behaviour and bookkeeping that the parallel strategy runs or wraps (`super()`'s, bound here)."""
+
+        def compute_loss(model, inputs, num_items_in_batch):
+            with self.compute_loss_context_manager():
+                return self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+
+        trl = super()
+        return TRLHooks(
+            training_step=trl.training_step,
+            log_probs=trl._get_per_token_logps_and_entropies,
+            clip_grad_norm=trl._clip_grad_norm,
+            grad_norm=trl._get_grad_norm,
+            save_model=trl.save_model,
+            save_state_dict=self._save,
+            save_optimizer_and_scheduler=trl._save_optimizer_and_scheduler,
+            load_from_checkpoint=trl._load_from_checkpoint,
+            load_optimizer_and_scheduler=trl._load_optimizer_and_scheduler,
+            prepare_inputs=self._prepare_inputs,
+            compute_loss=compute_loss,
+            loss_is_unscaled=self._loss_is_unscaled,
+            gradient_accumulation_steps=lambda: self.current_gradient_accumulation_steps,
+            draft_loss_divisor=self._draft_loss_divisor,
+            count_micro_step=self._count_micro_step,
+            model_wrapped=lambda: self.model_wrapped,
+            global_step=lambda: self.state.global_step,
+            optimizer=lambda: self.optimizer,
+            lr_scheduler=lambda: self.lr_scheduler,
+        )
 
     def create_accelerator_and_postprocess(self):
         """Without a parallelism config in the arguments accelerate builds one from `accelerate launch`'s environment,
@@ -255,14 +295,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             if model is not None:
                 _broadcast_module(model, src=0)
 
-    def _shard_with_fsdp2(self, mesh) -> None:
-        """FSDP2 of the policy (and of the reference model) over `mesh` where accelerate dropped FSDP (on CPU);
-        accelerate then leaves the sharded policy as it is, rather than wrapping it in DDP."""
-        apply_fsdp2(self._policy(), mesh)
-        self.model._is_accelerate_prepared = True
-        if self.ref_model is not None:
-            apply_fsdp2(self.unwrapped(self.ref_model), mesh)
-
     @property
     def draft_optimizer(self) -> torch.optim.Optimizer:
         return self.draft_cotrainer.optimizer
@@ -284,8 +316,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     def unwrapped(self, model):
         """`model` (the policy or the reference model) as a HF causal LM, PEFT and DDP wrappers removed."""
-        model = self.accelerator.unwrap_model(model)
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
+        return unwrapped_hf(self.accelerator, model)
 
     def _build_draft(self, draft_model: Eagle3DraftModel | None) -> Eagle3DraftModel:
         args = self.args
@@ -351,31 +382,26 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         taps = recorder.pop_all()
         if len(taps) != 1:
             raise RuntimeError(f"Expected one recorded policy forward per micro-batch, got {len(taps)}.")
-        sharded = self._context_parallel_shard()
-        if sharded is not None:  # the taps are this rank's shard of the packed rows
-            sharded.record_taps(taps[0])
-            return loss
-        completion_mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            completion_mask = completion_mask * inputs["tool_mask"]
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        # The draft learns to predict the tokens the policy generated (the ones rollouts will draft).
-        loss_mask = torch.cat([torch.zeros_like(inputs["prompt_mask"]), completion_mask], dim=1)
-        cotrainer = self.draft_cotrainer
-        rows = cotrainer.rows_to_train(len(loss_mask), step=self.state.global_step)
-        if rows is None:
-            cotrainer.record(RecordedTaps(taps[0], attention_mask, loss_mask))
-        else:
-            cotrainer.record(RecordedTaps(taps[0].select_rows(rows), attention_mask[rows], loss_mask[rows]))
+        self.parallel.record_taps(taps[0], inputs)
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with self.step_times.measure("step"):
-            if self.parallel_step is not None:
-                return self.parallel_step(model, inputs, num_items_in_batch)
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self.draft_cotrainer.train_recorded(loss_divisor=self._draft_loss_divisor())
-            return loss
+            return self.parallel.training_step(model, inputs, num_items_in_batch)
+
+    def _count_micro_step(self, seconds: float) -> None:
+        """What GRPOTrainer.training_step records around the base step, for a strategy that replaces it: the
+        micro-step counter and the step time."""
+        self._step += 1
+        self._current_train_step_time += seconds
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+
+    def _loss_is_unscaled(self, num_items_in_batch) -> bool:
+        """Whether a step divides the loss by the accumulation steps itself, as `Trainer.training_step` does (TRL's
+        loss is scaled already when the model takes loss kwargs)."""
+        return (not self.model_accepts_loss_kwargs or num_items_in_batch is None) and self.compute_loss_func is None
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -388,89 +414,46 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **kwargs,
     ):
-        sharded = self._context_parallel_shard()
-        if sharded is not None:
-            return sharded.log_probs(model, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss)
-        if isinstance(self.parallel_step, PipelineParallelStep) and model is self.ref_model:
-            # The reference is cut into stages: they compute its log-probs in the training step (`beta` > 0).
-            return None, None, None
-        if isinstance(self.parallel_step, ContextParallelStep):  # scoring rollouts (old policy, reference), evaluation
-            multimodal = sorted(key for key, value in kwargs.items() if value is not None)
-            if compute_aux_loss or multimodal:
-                raise ValueError(
-                    f"Context parallelism scores text-only rows without the MoE auxiliary loss; got {multimodal} "
-                    f"(compute_aux_loss={compute_aux_loss})."
-                )
-            logps, entropies = self.parallel_step.score_log_probs(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-            )
-            return logps, entropies, None
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs
+        return self.parallel.log_probs(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **kwargs,
         )
 
-    def _context_parallel_shard(self) -> ContextParallelStep | None:
-        """The context-parallel step while it runs a member's shard of packed rows through the policy."""
-        step = self.parallel_step
-        return step if isinstance(step, ContextParallelStep) and step.rows is not None else None
-
     def _clip_grad_norm(self, model):
-        if not isinstance(self.parallel_step, PipelineParallelStep):
-            return super()._clip_grad_norm(model)
-        return self.parallel_step.stage.clip_grad_norm_(self.args.max_grad_norm)  # the norm over every stage
+        return self.parallel.clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if isinstance(self.parallel_step, PipelineParallelStep) and grad_norm is None:
-            grad_norm = self.parallel_step.stage.clip_grad_norm_(float("inf"))
-        return super()._get_grad_norm(model, grad_norm)
+        return self.parallel.grad_norm(model, grad_norm)
 
     # ------------------------------------------------------------------ rollouts
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Speculative turns from the rollouts; plain ones from TRL's generation, or from the rollouts where no rank
+        holds the whole policy (pipeline parallelism)."""
         with self.step_times.measure("generation"):
-            if isinstance(self.parallel_step, PipelineParallelStep):
-                if self.rollout_engine is not None and self._speculates(images, multimodal_fields):
-                    self.rollouts.push_stages(self.state.global_step)  # every stage its own weights, into the server
-                return self.parallel_step.generate_for_all_ranks(
-                    prompt_ids, images, multimodal_fields, num_generations, self._generate_on_this_process
+            speculative = self._speculates(images, multimodal_fields)
+            if not (speculative or self.rollouts.generates_plain_turns):
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
-            return self._generate_on_this_process(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            if images is not None or multimodal_fields:
+                raise ValueError("Pipeline parallelism supports text-only rollouts.")
+            return self.rollouts.generate(
+                prompt_ids, step=self.state.global_step, training=self.model.training, speculative=speculative
             )
 
-    def _generate_on_this_process(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """This process's rollouts: speculative with this step's draft, or TRL's plain generation when speculation is
-        off or cannot serve the request (another engine, continuous batching, images)."""
-
-        def plain():
-            if isinstance(self.parallel_step, PipelineParallelStep):  # no rank holds the whole policy to `generate`
-                return self.rollouts.pipelined_plain(
-                    prompt_ids,
-                    step=self.state.global_step,
-                    training=self.model.training,
-                    policy=self._policy_for_generation,
-                )
-            return super(SpecCoTrainGRPOTrainer, self)._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-
-        if not self._speculates(images, multimodal_fields):
-            return plain()
-        return self.rollouts.generate(
-            prompt_ids,
-            step=self.state.global_step,
-            training=self.model.training,
-            policy_for_generation=self._policy_for_generation,
-            plain=plain,
-        )
+    def _trl_generation(self, prompt_ids):
+        """TRL's plain generation of a text-only turn: the speculative rollouts' plain backend."""
+        return super()._generate_single_turn(prompt_ids, None, None, self.num_generations)
 
     def _speculates(self, images, multimodal_fields) -> bool:
-        """Whether this turn's rollouts are speculative (else TRL's plain generation serves them)."""
+        """Whether this turn's rollouts are speculative (else plain generation serves them)."""
         return (
             self.args.speculative_decoding
             and self.draft_cotrainer.speculating
@@ -479,23 +462,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             and images is None
             and not multimodal_fields
         )
-
-    @contextmanager
-    def _policy_for_generation(self):
-        """The policy as TRL unwraps it for its own generation (DeepSpeed-3 gathered, full FSDP parameters), with
-        FSDP2's parameters gathered too: a speculative loop's forwards differ in number between ranks."""
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-            gathered_for_generation(unwrapped_model),
-        ):
-            yield unwrapped_model
 
     # ------------------------------------------------------------------ checkpoints, saving, the Hub
 
@@ -509,54 +475,23 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             self._saving_checkpoint = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if isinstance(self.parallel_step, PipelineParallelStep):
-            self._save_pipeline_stages(Path(output_dir or self.args.output_dir))
-            return
-        if self._shards_policy_itself:  # transformers would save each rank's shards: gather the whole policy first
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole on rank 0 only
-            state_dict = get_model_state_dict(self._policy(), options=options)
-            if self.args.should_save:
-                self._save(output_dir, state_dict=state_dict)
-        else:
-            super().save_model(output_dir, _internal_call)
-        if self._saving_checkpoint and self.args.save_draft and self.args.should_save:
-            self._save_draft_checkpoint(Path(output_dir))
-
-    def _save_pipeline_stages(self, folder: Path) -> None:
-        """Every rank writes its stage's shard of the policy (rank 0 also the config, the tokenizer, the arguments
-        and the index), so the folder is a HF sharded checkpoint of the whole policy that no rank gathered; in a
-        checkpoint the last stage writes the draft and its training state first."""
-        folder.mkdir(parents=True, exist_ok=True)
+        """The policy as the strategy saves it; in a checkpoint the draft and its training state too, from the
+        process that `writes_draft`."""
+        folder = Path(output_dir or self.args.output_dir)
+        self.parallel.save_policy(folder, _internal_call)
         if self._saving_checkpoint and self.args.save_draft and self.writes_draft():
             self._save_draft_checkpoint(folder)
-        save_pipeline_policy_shard(folder, self.parallel_step.stage.state_dict())
-        if self.args.should_save:
-            policy = self._policy()
-            policy.config.save_pretrained(folder)
-            if policy.generation_config is not None:
-                policy.generation_config.save_pretrained(folder)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(folder)
-            torch.save(self.args, folder / TRAINING_ARGS_NAME)
 
     def writes_draft(self) -> bool:
         """Whether this process writes the draft: the last stage under pipeline parallelism (it trains the draft,
         and generated the rollouts whose acceptance history goes with it), else the main process."""
-        if not isinstance(self.parallel_step, PipelineParallelStep):
-            return self.args.should_save
-        return self.accelerator.process_index == self.parallel_step.last_rank
+        return self.parallel.writes_draft()
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        if not isinstance(self.parallel_step, PipelineParallelStep):
-            return super()._save_optimizer_and_scheduler(output_dir)
-        save_pipeline_stage_states(output_dir, self.optimizer, self.lr_scheduler)
+        self.parallel.save_optimizer_and_scheduler(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if not isinstance(self.parallel_step, PipelineParallelStep):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        stage = self.parallel_step.stage
-        shard = Path(resume_from_checkpoint) / pipeline_stage_file("model", stage.stage_index, stage.num_stages)
-        stage.model.load_state_dict(load_file(shard))  # copied into the stage's parameters, on its device
+        return self.parallel.load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_draft_checkpoint(self, folder: Path) -> None:
         """The draft and its training state, each renamed into place once written whole."""
@@ -565,11 +500,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         write_atomically(folder / DRAFT_STATE_FILE, lambda path: torch.save(state, path))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is not None and isinstance(self.parallel_step, PipelineParallelStep):
-            self.optimizer.load_state_dict(load_pipeline_stage_state(checkpoint, "optimizer"))
-            self.lr_scheduler.load_state_dict(load_pipeline_stage_state(checkpoint, "scheduler"))
-        else:
-            super()._load_optimizer_and_scheduler(checkpoint)
+        self.parallel.load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         if not (Path(checkpoint) / DRAFT_FOLDER).is_dir():  # `train` refused this unless `save_draft=False`

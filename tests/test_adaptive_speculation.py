@@ -386,18 +386,18 @@ def test_config_takes_auto():
 def test_an_engine_call_is_seen_as_its_average_decoding_step():
     """vLLM reports per-call counters only: 8 rows, 40 drafts of K = 3 (5 steps), 24 accepted, 64 tokens, 1 s."""
     from hf_spec_cotrain.generation.engine import SpecDecodeStats
-    from hf_spec_cotrain.training.rollouts import _observe_engine_call
+    from hf_spec_cotrain.training.rollout_backends import observe_engine_call
 
     model = AdaptiveSpeculation(3)
     counters = SpecDecodeStats(
         num_drafts=40, num_draft_tokens=120, num_accepted_tokens=24, accepted_per_position=[16, 6, 2]
     )
-    _observe_engine_call(model, 8, 3, counters, num_tokens=64, seconds=1.0)
+    observe_engine_call(model, 8, 3, counters, num_tokens=64, seconds=1.0)
     bucket = model._buckets[8]
     assert bucket.seconds[3].value == pytest.approx(1.0 / 5)  # 40 row-steps over 8 rows: 5 steps
     assert bucket.tokens[3].value == pytest.approx(64 / 40)
     rates = model.acceptance_rates()
     assert rates[0] == pytest.approx((16 + 2 * 0.5) / (40 + 2), abs=1e-9)  # 16 of 40 drafts, with the prior
-    _observe_engine_call(model, 8, 0, SpecDecodeStats(), num_tokens=64, seconds=0.5)  # plain: 8 steps of 8 rows
+    observe_engine_call(model, 8, 0, SpecDecodeStats(), num_tokens=64, seconds=0.5)  # plain: 8 steps of 8 rows
     assert model._buckets[8].seconds[0].value == pytest.approx(0.5 / 8)
     assert model.measured_speedup(8, 3) == pytest.approx((64 / 40 / 0.2) / (1 / (0.5 / 8)))

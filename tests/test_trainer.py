@@ -109,14 +109,14 @@ def test_auto_uses_trls_generation_where_plain_calls_are_faster(policy_dir, tmp_
     """Where whole plain calls measured faster than speculative ones at the call's batch, the turn is TRL's own
     generation (timed and fed back), not the speculative generator; every ninth call still speculates, to
     re-measure."""
-    from hf_spec_cotrain.training import rollouts
+    from hf_spec_cotrain.training import rollout_backends
 
     trainer = _trainer(policy_dir, _config(tmp_path, num_speculative_tokens="auto", max_speculative_tokens=2))
     model = trainer.rollouts.speculation
     batch = trainer.args.per_device_train_batch_size
     model.observe_call(batch, plain=False, seconds=2.0, num_tokens=100)
     model.observe_call(batch, plain=True, seconds=1.0, num_tokens=100)
-    monkeypatch.setattr(rollouts, "speculative_generate", lambda *args, **kwargs: pytest.fail("speculated"))
+    monkeypatch.setattr(rollout_backends, "speculative_generate", lambda *args, **kwargs: pytest.fail("speculated"))
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "spec/num_speculative_tokens" in entry]
     assert len(logs) == 3 and all(entry["spec/num_speculative_tokens"] == 0 for entry in logs)
@@ -292,7 +292,7 @@ def test_failed_speculative_rollout_falls_back_to_plain_generation(policy_dir, t
     def broken(*args, **kwargs):
         raise RuntimeError("draft exploded")
 
-    monkeypatch.setattr("hf_spec_cotrain.training.rollouts.speculative_generate", broken)
+    monkeypatch.setattr("hf_spec_cotrain.training.rollout_backends.speculative_generate", broken)
     with caplog.at_level("WARNING", logger="hf_spec_cotrain.training.rollouts"):
         trainer.train()
     assert trainer.state.global_step == 4

@@ -1,6 +1,7 @@
 """The pieces `SpecCoTrainGRPOTrainer` holds: the draft's co-training (`DraftCoTrainer`), the speculative rollouts
-(`SpeculativeRollouts`), the training-step strategies of context and pipeline parallelism (`ContextParallelStep`,
-`PipelineParallelStep`, the latter running `PipelineCoTrainStep`) and the time split of a step (`StepTimes`).
+(`SpeculativeRollouts`, on the rollout backends of `rollout_backends` and `pipelined_rollouts`), the parallel
+strategies (`DataParallel`, `ContextParallel`, `PipelineParallel`, the latter running `PipelineCoTrainStep`; chosen
+by `build_parallel_strategy`) and the time split of a step (`StepTimes`).
 Imported lazily: they pull in TRL."""
 
 from typing import TYPE_CHECKING
@@ -9,36 +10,43 @@ from .._lazy import lazy_exports
 
 
 __all__ = [
-    "ContextParallelStep",
+    "ContextParallel",
+    "DataParallel",
     "DraftCoTrainer",
     "GRPOBatch",
     "PipelineCoTrainStep",
-    "PipelineParallelStep",
+    "PipelineParallel",
     "PipelineStepOutput",
     "SpeculativeRollouts",
     "StepTimes",
     "StepTimesCallback",
+    "build_parallel_strategy",
     "grpo_loss",
 ]
 
 _MODULE_OF = {
-    "ContextParallelStep": "steps",
+    "ContextParallel": "context_parallel",
+    "DataParallel": "data_parallel",
     "DraftCoTrainer": "draft_cotraining",
     "GRPOBatch": "pipeline_step",
     "PipelineCoTrainStep": "pipeline_step",
-    "PipelineParallelStep": "steps",
+    "PipelineParallel": "pipeline_parallel",
     "PipelineStepOutput": "pipeline_step",
     "SpeculativeRollouts": "rollouts",
     "StepTimes": "timing",
     "StepTimesCallback": "timing",
+    "build_parallel_strategy": "strategy",
     "grpo_loss": "pipeline_step",
 }
 
 if TYPE_CHECKING:
+    from .context_parallel import ContextParallel
+    from .data_parallel import DataParallel
     from .draft_cotraining import DraftCoTrainer
+    from .pipeline_parallel import PipelineParallel
     from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput, grpo_loss
     from .rollouts import SpeculativeRollouts
-    from .steps import ContextParallelStep, PipelineParallelStep
+    from .strategy import build_parallel_strategy
     from .timing import StepTimes, StepTimesCallback
 
 
