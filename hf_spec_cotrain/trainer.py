@@ -450,7 +450,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     def _trl_generation(self, prompt_ids):
         """TRL's plain generation of a text-only turn: the speculative rollouts' plain backend."""
-        return super()._generate_single_turn(prompt_ids, None, None, self.num_generations)
+        return super()._generate_single_turn(prompt_ids, None, {}, self.num_generations)
 
     def _speculates(self, images, multimodal_fields) -> bool:
         """Whether this turn's rollouts are speculative (else plain generation serves them)."""

@@ -484,7 +484,7 @@ def stage_cotrain_vllm(ctx: Context) -> dict:
         tokenizer = trainer.processing_class
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
         trainer.state.global_step += 1
-        trainer.rollouts.vllm_turn(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
+        trainer.rollouts.backend.generate(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
         with trainer.rollouts.policy_weights() as weights:
             engine.verify_weights("policy", weights)
         engine.verify_weights("draft", trainer.draft.state_dict().items())

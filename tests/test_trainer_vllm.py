@@ -47,7 +47,7 @@ def _sync_and_verify(trainer: SpecCoTrainGRPOTrainer) -> list[list[int]]:
     tokenizer = trainer.processing_class
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
     trainer.state.global_step += 1
-    trainer.rollouts.vllm_turn(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
+    trainer.rollouts.backend.generate(prompt_ids, step=trainer.state.global_step, training=trainer.model.training)
     with trainer.rollouts.policy_weights() as weights:
         trainer.rollout_engine.verify_weights("policy", weights)
     trainer.rollout_engine.verify_weights("draft", trainer.draft.state_dict().items())

@@ -730,7 +730,7 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
         assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
         # The server holds what the trainer pushed for the last step's rollouts: push the current weights and
         # read them back through vLLM's kernels.
-        trainer.rollouts.sync_engine()
+        trainer.rollouts.backend.sync()
         held = server.client.weights_version()
         assert held.policy == after.policy + 1
     finally:

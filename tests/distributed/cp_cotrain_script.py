@@ -16,6 +16,7 @@ from cotrain_cases import PROMPTS, equality_run_config, equality_trainer, fixed_
 from safetensors.torch import load_file
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.training.context_parallel import ContextParallel
 
 
 class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
@@ -67,7 +68,6 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config, prompts=prompts)
     policy_shapes = record_forward_shapes(trainer._policy())
     reference_shapes = [] if trainer.ref_model is None else record_forward_shapes(trainer.unwrapped(trainer.ref_model))
-    step = trainer.parallel_step
     record = record_training(trainer)
     saved = None
     if variant == "fsdp":  # the final save gathers the sharded policy whole (on rank 0)
@@ -84,7 +84,9 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         "saved_policy": saved,
         "policy_shapes": policy_shapes,
         "reference_shapes": reference_shapes,
-        "cp_group": [] if step is None else torch.distributed.get_process_group_ranks(step.group),
+        "cp_group": torch.distributed.get_process_group_ranks(trainer.parallel.group)
+        if isinstance(trainer.parallel, ContextParallel)
+        else [],
         "policy_param_types": sorted({type(p).__name__ for p in trainer._policy().parameters()}),
     }
 

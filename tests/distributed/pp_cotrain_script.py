@@ -30,12 +30,15 @@ class FixedRolloutTrainer(SpecCoTrainGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.generated = []  # the completions of each generation, on the generating rank
+        turn = self.rollouts.turn  # the generating rank's turn over every rank's rows
 
-    def _generate_on_this_process(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        generated, _ = super()._generate_on_this_process(prompt_ids, images, multimodal_fields, num_generations)
-        assert len(generated) == len(prompt_ids)
-        self.generated.append(generated)
-        return fixed_completions(prompt_ids), None
+        def fixed_turn(prompt_ids, **kwargs):
+            generated, _ = turn(prompt_ids, **kwargs)
+            assert len(generated) == len(prompt_ids)
+            self.generated.append(generated)
+            return fixed_completions(prompt_ids), None
+
+        self.rollouts.turn = fixed_turn
 
 
 VARIANTS = {

@@ -14,7 +14,7 @@ from cotrain_cases import equality_run_config, equality_trainer, main, snapshot
 from pp_cotrain_script import FixedRolloutTrainer
 from transformers import TrainerCallback
 
-from hf_spec_cotrain.training.steps import PipelineParallelStep
+from hf_spec_cotrain.training.pipeline_parallel import PipelineParallel
 
 
 class SnapshotAtStep(TrainerCallback):
@@ -30,7 +30,7 @@ class SnapshotAtStep(TrainerCallback):
 
 
 def final_state(trainer) -> dict:
-    assert isinstance(trainer.parallel_step, PipelineParallelStep)
+    assert isinstance(trainer.parallel, PipelineParallel)
     return {
         "policy": snapshot(trainer.model),
         "optimizer": trainer.optimizer.state_dict(),

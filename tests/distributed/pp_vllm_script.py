@@ -78,8 +78,8 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
 
     def after_training():
         trainer.save_model(str(Path(out_dir, "final")))
-        trainer.rollouts.push_stages(trainer.state.global_step)  # the final weights, read back by the test
-        if trainer.accelerator.process_index == trainer.parallel_step.last_rank:
+        trainer.rollouts.backend.prepare(trainer.state.global_step)  # the final weights, read back by the test
+        if trainer.accelerator.process_index == trainer.parallel.last_rank:
             trainer.save_draft(Path(out_dir, "final_draft"))
 
     record = record_training(trainer, after_training=after_training)

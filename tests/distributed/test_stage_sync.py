@@ -1,6 +1,6 @@
 """`stage_sync.sync_stages` on 4 gloo ranks against a recording stand-in of the server's client: one transaction,
 chunk indices running on across stages, one commit, and a failure anywhere raised on every stage with the transaction
-aborted; and the trainer's `SpeculativeRollouts.push_stages` through a server restart. The real server takes such
+aborted; and the pipelined server backend's push (`PipelinedServerBackend.prepare`) through a server restart. The real server takes such
 updates in tests/distributed/test_trainer_pp_vllm.py (`-m vllm`)."""
 
 from collections import defaultdict
@@ -11,10 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_spec_cotrain.generation.adaptive import FixedSpeculation
 from hf_spec_cotrain.generation.client import SentChunks, VLLMServerError, WeightUpdate
 from hf_spec_cotrain.generation.engine import EngineRestartedError, RolloutOutput, SpecDecodeStats, WeightSyncError
 from hf_spec_cotrain.generation.stage_sync import sync_stages
-from hf_spec_cotrain.training.rollouts import RolloutSampling, SpeculativeRollouts
+from hf_spec_cotrain.training.pipelined_rollouts import PipelinedServerBackend
+from hf_spec_cotrain.training.rollout_backends import RolloutSampling, merged_weights
+from hf_spec_cotrain.training.timing import StepTimes
 
 
 pytestmark = pytest.mark.distributed
@@ -140,34 +143,36 @@ class RestartedServerClient(RecordingClient):
 
 
 def run_push_through_restarts() -> dict:
-    """`push_stages` on a server that restarted: met by stage 0's begin, then (after a good push) by the last stage's
-    rollout request, whose turn cannot be served; the next `push_stages` of the same step pushes again everywhere."""
+    """The stages' push (`prepare`) on a server that restarted: met by stage 0's begin, then (after a good push) by
+    the last stage's rollout request, whose turn cannot be served; the next push of the same step pushes again
+    everywhere."""
     rank = dist.get_rank()
     client = RestartedServerClient()
-    rollouts = SpeculativeRollouts(
+    backend = PipelinedServerBackend(
+        client,
         nn.Linear(2, 2),  # the draft: only its state_dict is pushed
-        SimpleNamespace(num_speculative_tokens=2, max_draft_tokens=2, output_dir="unused"),
+        RolloutSampling(8, 1.0, 1.0, 0, [2], 0, None),
         SimpleNamespace(device=torch.device("cpu")),
-        sampling=RolloutSampling(8, 1.0, 1.0, 0, [2], 0, None),
-        metrics=defaultdict(lambda: defaultdict(list)),
-        policy=lambda: nn.Linear(2, 2),
-        engine=client,
-        generates_for_all_ranks=True,
+        weights=lambda: merged_weights(nn.Linear(2, 2)),
+        speculation=FixedSpeculation(2),
+        max_draft_tokens=2,
+        output_dir="unused",
+        step_times=StepTimes(defaultdict(lambda: defaultdict(list))),
+        pipeline=SimpleNamespace(group=dist.group.WORLD, driver=STAGES - 1, is_driver=rank == STAGES - 1),
     )
-    rollouts.pipeline = SimpleNamespace(group=dist.group.WORLD, driver=STAGES - 1, is_driver=rank == STAGES - 1)
-    rollouts.push_stages(0)
-    record = {"first_push": [call[0] for call in client.calls], "synced": rollouts._engine_synced_step}
+    backend.prepare(0)
+    record = {"first_push": [call[0] for call in client.calls], "synced": backend.synced_step}
     client.calls.clear()
-    if rollouts.pipeline.is_driver:
+    if backend.pipeline.is_driver:
         client.restart_again()
         with pytest.raises(WeightSyncError, match="restarted .*met by generate.* push their weights again"):
-            rollouts.vllm_turn([[1, 2]], step=0, training=True)
-    rollouts.push_stages(0)  # the same step: pushed again, since the last stage met a restart
+            backend.generate([[1, 2]], step=0, training=True)
+    backend.prepare(0)  # the same step: pushed again, since the last stage met a restart
     record["second_push"] = [call[0] for call in client.calls]
     client.calls.clear()
-    if rollouts.pipeline.is_driver:
-        record["served"] = rollouts.vllm_turn([[1, 2]], step=0, training=True)[0]
-    rollouts.push_stages(0)  # nothing new: no push
+    if backend.pipeline.is_driver:
+        record["served"] = backend.generate([[1, 2]], step=0, training=True).completions
+    backend.prepare(0)  # nothing new: no push
     record["third_push"] = [call[0] for call in client.calls if call[0] != "generate"]
     return record
 
@@ -180,7 +185,7 @@ def test_push_stages_pushes_again_after_a_server_restart(cp_pool):
         assert record["first_push"] == ["health", "send", "send"]
     assert all(record["synced"] == 0 for record in records)
     # The last stage's request met a second restart: that turn failed (it falls back), and the same step's next
-    # push_stages pushed again on every stage; the turn after it is served, and a third call pushes nothing.
+    # the push went again on every stage; the turn after it is served, and a third call pushes nothing.
     assert records[0]["second_push"] == ["begin", "send", "commit", "begin", "send", "commit"]
     assert all(record["second_push"] == ["send", "send"] for record in records[1:-1])
     assert records[-1]["second_push"] == ["generate", "send", "send"]
