@@ -16,12 +16,12 @@ from cotrain_cases import equality_run_config, equality_trainer, fixed_completio
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.testing import recorded_checkpoint_reads, storage_bytes
-from hf_spec_cotrain.training import rollouts
+from hf_spec_cotrain.training import rollout_backends
 
 
-_seeded_generator = rollouts.seeded_generator
+_seeded_generator = rollout_backends.seeded_generator
 # The rollouts' random numbers without the generating rank (the last stage under pipeline parallelism, 0 in one process).
-rollouts.seeded_generator = lambda seed, step, rank, mode, device=None: _seeded_generator(
+rollout_backends.seeded_generator = lambda seed, step, rank, mode, device=None: _seeded_generator(
     seed, step, 0, mode, device=device
 )
 
