@@ -136,8 +136,7 @@ def test_the_factory_picks_data_parallelism_without_context_or_pipeline_parallel
     assert type(strategy) is DataParallel and not strategy.writes_draft()
 
 
-@pytest.mark.parametrize("compute_aux_loss", [True])
-def test_context_parallel_refuses_the_moe_auxiliary_loss_when_scoring(compute_aux_loss):
+def test_context_parallel_refuses_the_moe_auxiliary_loss_when_scoring():
     from hf_spec_cotrain.training.context_parallel import ContextParallel
 
     calls = Calls()
@@ -152,4 +151,4 @@ def test_context_parallel_refuses_the_moe_auxiliary_loss_when_scoring(compute_au
         **common(calls),
     )
     with pytest.raises(ValueError, match="text-only rows without the MoE auxiliary loss"):
-        strategy.log_probs(None, None, None, 1, None, False, compute_aux_loss=compute_aux_loss)
+        strategy.log_probs(None, None, None, 1, None, False, compute_aux_loss=True)
