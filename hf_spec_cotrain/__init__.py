@@ -7,9 +7,8 @@ seconds to import) and the vLLM extra stays optional.
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
+from .version import __version__
 
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "AdaptiveSpeculation",
