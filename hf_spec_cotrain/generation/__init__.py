@@ -17,9 +17,9 @@ _MODULE_OF = {
     "SpeculationPolicy": "adaptive",
     "DRAFT_SAMPLING_METHODS": "speculative",
     "SpeculativeOutput": "speculative",
-    "greedy_verify": "speculative",
-    "rejection_sample": "speculative",
-    "residual_distribution": "speculative",
+    "greedy_verify": "verification",
+    "rejection_sample": "verification",
+    "residual_distribution": "verification",
     "speculative_generate": "speculative",
     "EngineRestartedError": "engine",
     "EngineUnavailableError": "engine",
@@ -73,14 +73,8 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from .pipelined import PipelinedTarget
-    from .speculative import (
-        DRAFT_SAMPLING_METHODS,
-        SpeculativeOutput,
-        greedy_verify,
-        rejection_sample,
-        residual_distribution,
-        speculative_generate,
-    )
+    from .speculative import DRAFT_SAMPLING_METHODS, SpeculativeOutput, speculative_generate
+    from .verification import greedy_verify, rejection_sample, residual_distribution
     from .vllm_engine import VLLM_INSTALL_HINT, VLLMRolloutEngine
 
 
