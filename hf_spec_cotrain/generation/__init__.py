@@ -16,7 +16,7 @@ _MODULE_OF = {
     "PlainDecoding": "adaptive",
     "SpeculationPolicy": "adaptive",
     "DRAFT_SAMPLING_METHODS": "speculative",
-    "SpeculativeOutput": "speculative",
+    "SpeculativeOutput": "decoder",
     "greedy_verify": "verification",
     "rejection_sample": "verification",
     "residual_distribution": "verification",
@@ -63,6 +63,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
     from .client import VLLMServerClient, VLLMServerError
+    from .decoder import SpeculativeOutput
     from .engine import (
         EngineRestartedError,
         EngineUnavailableError,
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from .pipelined import PipelinedTarget
-    from .speculative import DRAFT_SAMPLING_METHODS, SpeculativeOutput, speculative_generate
+    from .speculative import DRAFT_SAMPLING_METHODS, speculative_generate
     from .verification import greedy_verify, rejection_sample, residual_distribution
     from .vllm_engine import VLLM_INSTALL_HINT, VLLMRolloutEngine
 
