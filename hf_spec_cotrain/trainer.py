@@ -40,7 +40,8 @@ from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
-from .hub import CoTrainingRecord, model_license, push_draft_folder, render_draft_card
+from .draft.card import CoTrainingRecord, model_license, render_draft_card
+from .draft.upload import push_draft_folder
 from .parallel.dims import ParallelDims
 from .parallel.fsdp import apply_fsdp2, gathered_for_generation
 from .taps import TapRecorder

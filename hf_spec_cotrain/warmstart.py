@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType, get_scheduler
 
 from .draft import Eagle3DraftModel, count_tokens
-from .hub import WarmStartRecord, model_license, render_draft_card
+from .draft.card import WarmStartRecord, model_license, render_draft_card
 from .taps import TapRecorder
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
 from .validation import check_int
