@@ -10,9 +10,9 @@ from tiny_policy import save_tiny_policy
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_spec_cotrain.losses import grpo_loss, grpo_loss_normalizer, grpo_per_token_logps
 from hf_spec_cotrain.parallel.pipeline import pipeline_stage_class, stage_layer_ranges
 from hf_spec_cotrain.testing import build_char_tokenizer, recorded_checkpoint_reads, save_tiny_target
-from hf_spec_cotrain.training.pipeline_step import grpo_loss, grpo_loss_normalizer, grpo_per_token_logps
 
 
 @pytest.fixture(scope="module")
