@@ -16,8 +16,8 @@ Taps reach the draft in one of two ways (``tap_transport``):
 The draft's training-time test (`DraftCoTrainer.ttt_micro_step`, the micro-step of every draft) runs on the last
 stage once its part of the schedule is done (while the earlier stages still drain their backward passes), on the
 whole batch, with the teacher computed there from the final norm's output and the lm_head rows of the draft
-vocabulary. Policy gradients accumulate in each stage's
-parameters and draft gradients in the draft's, exactly as one process would compute them on the whole model.
+vocabulary. Policy gradients accumulate in each stage's parameters and draft gradients in the draft's, exactly as
+one process would compute them on the whole model.
 """
 
 import math
