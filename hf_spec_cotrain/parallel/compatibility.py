@@ -6,8 +6,9 @@ same messages; `launcher_fsdp_version` is the FSDP that `accelerate launch` aske
 
 import os
 
+from ..losses import GRPO_LOSS_TYPES
 from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
-from .pipeline import GRPO_LOSS_TYPES, MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
+from .pipeline import MIN_MICROBATCHES, PIPELINE_SCHEDULES, TAP_TRANSPORTS, min_microbatches
 
 
 AUX_LOSS_OPTIONS = "TRL's `router_aux_loss_coef`, on by default for MoE policies, or `output_router_logits=True`"
@@ -171,7 +172,6 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
         "fsdp": fsdp or config.fsdp,
         "use_liger_kernel": config.use_liger_kernel,
         "cast_lm_head_to_fp32": config.cast_lm_head_to_fp32,
-        "draft_bf16=True": config.draft_bf16 is True,
         f"loss_type={config.loss_type!r}": config.loss_type not in GRPO_LOSS_TYPES,
         f"importance_sampling_level={config.importance_sampling_level!r}": config.importance_sampling_level != "token",
         f"top_entropy_quantile={config.top_entropy_quantile}": config.top_entropy_quantile < 1.0,

@@ -18,7 +18,6 @@ __all__ = [
     "SpeculativeRollouts",
     "StepTimes",
     "StepTimesCallback",
-    "grpo_loss",
 ]
 
 _MODULE_OF = {
@@ -31,12 +30,11 @@ _MODULE_OF = {
     "SpeculativeRollouts": "rollouts",
     "StepTimes": "timing",
     "StepTimesCallback": "timing",
-    "grpo_loss": "pipeline_step",
 }
 
 if TYPE_CHECKING:
     from .draft_cotraining import DraftCoTrainer
-    from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput, grpo_loss
+    from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput
     from .rollouts import SpeculativeRollouts
     from .steps import ContextParallelStep, PipelineParallelStep
     from .timing import StepTimes, StepTimesCallback

@@ -256,6 +256,7 @@ class PipelineParallelStep(TrainingStepStrategy):
             ttt_steps=args.ttt_steps,
             ttt_step_weight_decay=args.ttt_step_weight_decay,
             ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
+            draft_bf16=trainer.draft_cotrainer.settings.bf16,
             device=accelerator.device,
         )
         # The draft reads token embeddings from its target: this stage's (none but on the first), not the uncut
