@@ -7,9 +7,8 @@ seconds to import) and the vLLM extra stays optional.
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
+from .version import __version__
 
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "AdaptiveSpeculation",
@@ -40,7 +39,7 @@ _MODULE_OF = {
     "PipelineCoTrainStep": "training.pipeline_step",
     "SpecCoTrainConfig": "config",
     "SpecCoTrainGRPOTrainer": "trainer",
-    "SpeculativeOutput": "generation.speculative",
+    "SpeculativeOutput": "generation.decoder",
     "TTTOutput": "ttt",
     "TapChannel": "parallel.tap_channel",
     "TapRecorder": "taps",
@@ -57,7 +56,8 @@ if TYPE_CHECKING:
     from .config import SpecCoTrainConfig
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
     from .generation.adaptive import AdaptiveSpeculation
-    from .generation.speculative import SpeculativeOutput, speculative_generate
+    from .generation.decoder import SpeculativeOutput
+    from .generation.speculative import speculative_generate
     from .generation.vllm_engine import VLLMRolloutEngine
     from .parallel.tap_channel import TapChannel
     from .taps import TapRecorder, default_aux_layer_ids

@@ -258,7 +258,7 @@ def vllm_serve_main(argv: list[str]) -> None:
     missing = [name for name in ("vllm", "requests") if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"hf-spec-cotrain vllm-serve needs {' and '.join(missing)}, not installed here: {VLLM_INSTALL_HINT}.")
-    from .generation.client import API_KEY_ENV
+    from .generation.protocol import API_KEY_ENV
     from .generation.server import serve
 
     if args.log_level not in _LOG_LEVELS:

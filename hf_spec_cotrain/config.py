@@ -11,7 +11,8 @@ from accelerate.parallelism_config import ParallelismConfig
 from trl import GRPOConfig
 
 from .generation import DRAFT_SAMPLING_METHODS
-from .parallel.dims import ParallelDims, launcher_fsdp_version
+from .parallel.compatibility import launcher_fsdp_version
+from .parallel.dims import ParallelDims
 from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
 
@@ -129,6 +130,10 @@ class SpecCoTrainConfig(GRPOConfig):
             data parallel x context parallel: DDP replicas, or with FSDP2 the policy sharded over every rank. An
             accelerate `ParallelismConfig` (given as `parallelism_config`, or in the accelerate config file) with
             `cp_size` > 1 sets it instead; its `dp_shard_size` > 1 turns FSDP2 on.
+        data_parallel_shard_size (`int`, *optional*, not an argument):
+            That `ParallelismConfig`'s `dp_shard_size`, kept when it sets `context_parallel_size` (the config then
+            hands accelerate another parallelism config, or none on CPU): the world size must be it times
+            `cp_size`. None otherwise.
 
         > Parameters that control pipeline parallelism
 
@@ -239,6 +244,15 @@ class SpecCoTrainConfig(GRPOConfig):
             "reference) and the draft's TTT run on sequences zigzag-sharded across the group (ring attention). Must "
             "divide the world size. A `parallelism_config` with `cp_size` > 1 sets it (and FSDP2 for `dp_shard_size` "
             "> 1)."
+        },
+    )
+    data_parallel_shard_size: int | None = field(
+        default=None,
+        init=False,
+        metadata={
+            "help": "Not an argument: the `dp_shard_size` of the `parallelism_config` that set "
+            "`context_parallel_size`, which the trainer checks the world size against (`dp_shard_size` x `cp_size`). "
+            "Kept here because the config then hands accelerate another parallelism config (or none, on CPU)."
         },
     )
     pipeline_parallel_size: int = field(
@@ -371,7 +385,7 @@ class SpecCoTrainConfig(GRPOConfig):
                 "parallel. Set both to 1."
             )
         self.context_parallel_size = parallelism.cp_size
-        self._data_parallel_shard_size = parallelism.dp_shard_size  # checked against the world size by the trainer
+        self.data_parallel_shard_size = parallelism.dp_shard_size
         # An FSDP launch config is accelerate's to apply as written (`fsdp` here would have transformers rebuild FSDP
         # from `fsdp_config`'s defaults, dropping the launch config's own settings, CPU-RAM-efficient loading first).
         if parallelism.dp_shard_enabled and not self.fsdp and launcher_fsdp_version() is None:

@@ -41,7 +41,8 @@ from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from .config import SpecCoTrainConfig
 from .draft import Eagle3DraftModel, count_tokens
-from .hub import CoTrainingRecord, model_license, push_draft_folder, render_draft_card
+from .draft.card import CoTrainingRecord, model_license, render_draft_card
+from .draft.upload import push_draft_folder
 from .parallel.dims import ParallelDims
 from .taps import TapRecorder
 from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically

@@ -1,7 +1,8 @@
 """Offline warm start: train a draft for a frozen target on a text or chat dataset before RL begins.
 
 The target's hidden states are computed on the fly by hooks on its own forward (no feature files), so a
-warm start needs nothing but the target, its tokenizer and a `datasets.Dataset`.
+warm start needs nothing but the target, its tokenizer and a `datasets.Dataset`. The draft trains with the
+co-trainer's own micro-step and optimizer (`DraftCoTrainer.ttt_micro_step`, `build_draft_optimizer`).
 """
 
 import math
@@ -13,12 +14,13 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType
 
 from .draft import Eagle3DraftModel, count_tokens
-from .hub import WarmStartRecord, model_license, render_draft_card
+from .draft.card import WarmStartRecord, model_license, render_draft_card
 from .taps import TapRecorder
-from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
+from .training.draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps, build_draft_optimizer
+from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput
 from .validation import check_int
 
 
@@ -184,6 +186,31 @@ def draft_tap_recorder(target: PreTrainedModel, draft: Eagle3DraftModel) -> TapR
     return TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True)
 
 
+def draft_inputs_of_batch(
+    target: PreTrainedModel,
+    draft: Eagle3DraftModel,
+    recorder: TapRecorder,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    bf16: bool = False,
+) -> tuple[RecordedTaps, torch.Tensor]:
+    """Run the frozen target once (taps and teacher by hooks): the draft's inputs on the batch, every real token
+    counted, and the teacher's logits (in float32).
+
+    ``bf16``: the target's forward under bf16 autocast.
+    """
+    device = target.get_input_embeddings().weight.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), torch.no_grad(), recorder.capture():
+        recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd
+    taps = recorder.pop()
+    teacher_logits = draft.teacher_logits(
+        taps.final_hidden, target.get_output_embeddings().weight, dtype=torch.float32
+    )
+    return RecordedTaps(taps, attention_mask, loss_mask=attention_mask), teacher_logits
+
+
 def draft_loss_on_batch(
     target: PreTrainedModel,
     draft: Eagle3DraftModel,
@@ -195,29 +222,13 @@ def draft_loss_on_batch(
     step_weight_decay: float,
     bf16: bool = False,
 ) -> TTTOutput:
-    """Run the frozen target once (taps and teacher by hooks) and return the draft's TTT loss on the batch.
+    """The draft's TTT loss on the batch (`draft_inputs_of_batch`), without a backward.
 
     ``bf16``: the target's forward and the draft's TTT under bf16 autocast; the teacher is computed in float32.
     """
-    device = target.get_input_embeddings().weight.device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        with torch.no_grad(), recorder.capture():
-            recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd
-        taps = recorder.pop()
-        teacher_logits = draft.teacher_logits(
-            taps.final_hidden, target.get_output_embeddings().weight, dtype=torch.float32
-        )
-        return ttt_loss(
-            draft,
-            aux_hidden_states=taps.aux_hidden_states,
-            input_embeds=taps.embeddings,
-            teacher_logits=teacher_logits,
-            loss_mask=attention_mask,
-            attention_mask=attention_mask,
-            ttt_steps=ttt_steps,
-            step_weight_decay=step_weight_decay,
-        )
+    recorded, teacher_logits = draft_inputs_of_batch(target, draft, recorder, input_ids, attention_mask, bf16=bf16)
+    settings = DraftStepSettings(ttt_steps=ttt_steps, step_weight_decay=step_weight_decay, bf16=bf16)
+    return DraftCoTrainer.ttt_forward(draft, recorded, teacher_logits=teacher_logits, settings=settings)
 
 
 def evaluate_draft(
@@ -307,11 +318,16 @@ def train_draft(
 
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total_steps = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_epochs * steps_per_epoch))
-    optimizer = torch.optim.AdamW(
-        draft.trainable_parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+    optimizer, scheduler = build_draft_optimizer(
+        draft,
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        lr_scheduler_type=config.lr_scheduler_type,
+        warmup_steps=config.warmup_steps,
+        total_steps=total_steps,
     )
-    scheduler = get_scheduler(
-        config.lr_scheduler_type, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps
+    settings = DraftStepSettings(
+        ttt_steps=config.ttt_steps, step_weight_decay=config.step_weight_decay, bf16=config.bf16
     )
     result = DraftTrainingResult(draft=draft)
     eval_kwargs = dict(
@@ -334,17 +350,10 @@ def train_draft(
     step = 0
     with draft_tap_recorder(target, draft) as recorder:
         for input_ids, attention_mask in _epochs(train_set, config, pad_id):
-            out = draft_loss_on_batch(
-                target,
-                draft,
-                recorder,
-                input_ids,
-                attention_mask,
-                ttt_steps=config.ttt_steps,
-                step_weight_decay=config.step_weight_decay,
-                bf16=config.bf16,
+            recorded, teacher_logits = draft_inputs_of_batch(
+                target, draft, recorder, input_ids, attention_mask, bf16=config.bf16
             )
-            out.loss.backward()
+            out, _ = DraftCoTrainer.ttt_micro_step(draft, recorded, teacher_logits=teacher_logits, settings=settings)
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), config.max_grad_norm)
             optimizer.step()

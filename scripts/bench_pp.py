@@ -98,7 +98,7 @@ def _build_step(args, mode: str, group):
         """Delivers the taps and computes the teacher, without training the draft: the transport's cost."""
 
         def _draft_step(self, batch, attention_mask, scale):
-            self._draft_inputs()
+            self._draft_inputs(batch, attention_mask)
 
     policy = _policy(args)
     is_last = dist.get_rank(group) == dist.get_world_size(group) - 1

@@ -37,7 +37,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_spec_cotrain.draft import Eagle3DraftModel
-from hf_spec_cotrain.generation.client import API_KEY_ENV, VLLMServerClient
+from hf_spec_cotrain.generation.client import VLLMServerClient
+from hf_spec_cotrain.generation.protocol import API_KEY_ENV
 from hf_spec_cotrain.testing import save_tiny_target
 
 

@@ -11,8 +11,8 @@ from statistics_utils import g_test
 from test_speculative import EOS, P_VALUE_THRESHOLD, _exact, _reference_counts, _sample, _setup, _small_vocab_setup
 
 from hf_spec_cotrain import AdaptiveSpeculation, SpecCoTrainConfig
-from hf_spec_cotrain.generation import speculative
 from hf_spec_cotrain.generation.adaptive import FixedSpeculation, batch_bucket
+from hf_spec_cotrain.generation.decoder import SpeculativeDecoder
 from hf_spec_cotrain.generation.speculative import speculative_generate
 
 
@@ -324,8 +324,8 @@ def _virtual_clock(monkeypatch, *, target_seconds, draft_seconds):
     """Time in the generator advances by a cost per forward, not by the wall clock: the test asserts choices."""
     now = [0.0]
     target_forward, run_draft = (
-        speculative._SpeculativeDecoder._target_forward,
-        speculative._SpeculativeDecoder._run_draft,
+        SpeculativeDecoder.target_forward,
+        SpeculativeDecoder._run_draft,
     )
 
     def timed_target(self, input_ids, *args, **kwargs):
@@ -336,9 +336,9 @@ def _virtual_clock(monkeypatch, *, target_seconds, draft_seconds):
         now[0] += draft_seconds
         return run_draft(self, input_embeds, *args, **kwargs)
 
-    monkeypatch.setattr(speculative._SpeculativeDecoder, "_target_forward", timed_target)
-    monkeypatch.setattr(speculative._SpeculativeDecoder, "_run_draft", timed_draft)
-    monkeypatch.setattr(speculative._SpeculativeDecoder, "_clock", lambda self: now[0])
+    monkeypatch.setattr(SpeculativeDecoder, "target_forward", timed_target)
+    monkeypatch.setattr(SpeculativeDecoder, "_run_draft", timed_draft)
+    monkeypatch.setattr(SpeculativeDecoder, "_clock", lambda self: now[0])
 
 
 @pytest.mark.parametrize("pays", [False, True])

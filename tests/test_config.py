@@ -162,7 +162,6 @@ PP_BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_ge
         ),
         ({"loss_type": "cispo"}, "\"loss_type='cispo'\""),
         ({"context_parallel_size": 2}, "context_parallel_size"),
-        ({"draft_bf16": True}, "'draft_bf16=True'"),
         ({"steps_per_generation": 2}, "gradient_accumulation_steps not a multiple"),
         ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'"),
         # Plain rollouts too are the package's own decoding through the stages.
@@ -190,6 +189,7 @@ def test_config_accepts_pipeline_options():
         beta=0.04,
         use_vllm=True,
         vllm_mode="server",  # every stage pushes its own weights into the package's server
+        draft_bf16=True,  # the last stage runs the draft's micro-step under bf16 autocast, as one process does
     )
     assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
     # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).

@@ -1,4 +1,4 @@
-"""The draft's model card (hf_spec_cotrain/hub.py): how it names the models, the run's acceptance in short, and the
+"""The draft's model card (hf_spec_cotrain/draft/card.py): how it names the models, the run's acceptance in short, and the
 license it takes from the policy."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from hf_spec_cotrain import Eagle3DraftModel
-from hf_spec_cotrain.hub import (
+from hf_spec_cotrain.draft.card import (
     ACCEPTANCE_TABLE_ROWS,
     FINAL_POLICY_PLACEHOLDER,
     CoTrainingRecord,
@@ -124,7 +124,7 @@ def test_the_license_comes_from_the_policys_card(tmp_path, monkeypatch):
             raise OSError("We couldn't connect to 'https://huggingface.co'")
         return ModelCard("---\nlicense: mit\n---\n")
 
-    monkeypatch.setattr("hf_spec_cotrain.hub.ModelCard.load", hub_card)
+    monkeypatch.setattr("hf_spec_cotrain.draft.card.ModelCard.load", hub_card)
     assert model_license("org/model") == {"license": "mit"}
     assert model_license("org/offline") == {}  # no network: no license, no failure
     assert asked == ["org/model", "org/offline"]

@@ -1,7 +1,8 @@
-"""`ParallelDims` in one process: the sizes, the checks against the world size, the data-parallel degree, and the
-run-time facts the trainer adds to the config's checks, and the policies each parallelism refuses at start. The group building is in
-tests/distributed/test_parallel_dims_groups.py."""
+"""`ParallelDims` in one process: the sizes, the checks against the world size, the data-parallel degree, the mesh's
+axes, and the run-time facts the trainer adds to the config's checks, and the policies each parallelism refuses at
+start (`parallel.compatibility`). The mesh itself is in tests/distributed/test_parallel_dims_groups.py."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,24 @@ def test_sizes_default_to_plain_data_parallelism():
 def test_data_parallel_degree(dims, enabled, dp):
     assert (dims.cp_enabled, dims.pp_enabled) == enabled
     assert dims.dp == dp
+
+
+@pytest.mark.parametrize(
+    ("dims", "axes"),
+    [
+        (ParallelDims(world_size=4), {"dp_replicate": 4}),
+        (ParallelDims(world_size=4, fsdp=True), {"dp_shard": 4}),
+        (ParallelDims(context_parallel_size=2, world_size=8), {"dp_replicate": 4, "cp": 2}),
+        (ParallelDims(context_parallel_size=2, world_size=8, fsdp=True), {"dp_shard": 4, "cp": 2}),
+        (ParallelDims(context_parallel_size=4, world_size=4, fsdp=True), {"dp_shard": 1, "cp": 4}),
+        (ParallelDims(pipeline_parallel_size=4, world_size=4), {"pp": 4, "dp_replicate": 1}),
+    ],
+)
+def test_the_mesh_axes_multiply_to_the_world_size(dims, axes):
+    assert dims.mesh_axis_names == tuple(axes)  # in this order: pipeline, data, context
+    assert dims.mesh_axes == axes
+    assert math.prod(axes.values()) == dims.world_size
+    assert (dims.dp_replicate, dims.dp_shard) == ((1, dims.dp) if dims.fsdp else (dims.dp, 1))
 
 
 @pytest.mark.parametrize("name", ["context_parallel_size", "pipeline_parallel_size", "world_size"])
@@ -97,8 +116,11 @@ def test_context_parallel_sizes_come_from_accelerates_parallelism_config(tmp_pat
     # any parallelism config there): the trainer shards the policy itself.
     assert (config.context_parallel_size, config.fsdp, config.parallelism_config) == (2, True, None)
     assert config.fsdp_config["version"] == 2
+    # Its shard size is kept as the config's own (derived, not an argument), which the world size is checked against.
+    assert config.data_parallel_shard_size == 2 and "data_parallel_shard_size" not in config.to_dict()
+    assert _config(tmp_path, context_parallel_size=2).data_parallel_shard_size is None
     dims = ParallelDims.from_config(config, world_size=4)
-    assert (dims.fsdp, dims.dp) == (True, 2)
+    assert (dims.fsdp, dims.dp, dims.dp_shard, dims.data_parallel_size) == (True, 2, 2, 2)
     with pytest.raises(ValueError, match=r"world size \(6 processes\) is not the mesh's data-parallel size 2 x"):
         ParallelDims.from_config(config, world_size=6)
     # A DDP x CP mesh, and the accelerate config file's sizes (`accelerate launch` exports them).

@@ -11,13 +11,9 @@ from statistics_utils import exact_distribution, g_test
 from transformers import DynamicCache
 
 from hf_spec_cotrain import Eagle3DraftModel, TapRecorder, ttt_loss
-from hf_spec_cotrain.generation import speculative
-from hf_spec_cotrain.generation.speculative import (
-    greedy_verify,
-    rejection_sample,
-    residual_distribution,
-    speculative_generate,
-)
+from hf_spec_cotrain.generation import verification
+from hf_spec_cotrain.generation.speculative import speculative_generate
+from hf_spec_cotrain.generation.verification import greedy_verify, rejection_sample, residual_distribution
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
 
@@ -464,7 +460,7 @@ def test_distribution_test_has_teeth(monkeypatch):
     assert g_test(samples, _exact()) > P_VALUE_THRESHOLD
     assert g_test(samples, _exact(temperature=1.3)) < 1e-6
     assert g_test(samples, _exact(top_p=0.9)) < 1e-6
-    monkeypatch.setattr(speculative, "residual_distribution", lambda target_probs, draft_probs: target_probs)
+    monkeypatch.setattr(verification, "residual_distribution", lambda target_probs, draft_probs: target_probs)
     biased, _ = _sample(drafts[True], seed=0, num_speculative_tokens=2)
     assert g_test(biased, _exact()) < 1e-6
 

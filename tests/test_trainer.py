@@ -344,7 +344,7 @@ def test_push_draft_to_hub_hands_the_saved_folder_to_huggingface_hub(policy_dir,
             calls["card"] = (Path(folder_path) / "README.md").read_text()
             return "commit"
 
-    monkeypatch.setattr("hf_spec_cotrain.hub.HfApi", FakeApi)
+    monkeypatch.setattr("hf_spec_cotrain.draft.upload.HfApi", FakeApi)
     trainer = _trainer(
         policy_dir,
         _config(

@@ -33,19 +33,9 @@ from vllm_server_utils import (
 from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, main, vllm_serve_engine_kwargs
-from hf_spec_cotrain.generation.client import (
-    API_KEY_ENV,
-    SHA256_HEADER,
-    VLLMServerClient,
-    VLLMServerError,
-    iter_chunks,
-)
-from hf_spec_cotrain.generation.engine import (
-    EngineUnavailableError,
-    RolloutOutput,
-    SpecDecodeStats,
-    SyncStats,
-)
+from hf_spec_cotrain.generation.client import VLLMServerClient, VLLMServerError, iter_chunks
+from hf_spec_cotrain.generation.engine import EngineUnavailableError, RolloutOutput
+from hf_spec_cotrain.generation.protocol import API_KEY_ENV, SHA256_HEADER
 
 
 # The rollout every check compares: a short prompt and one longer than a KV block (a prefix-cache hit), kept light
@@ -82,62 +72,6 @@ def test_iter_chunks_groups_by_bytes_and_copies_shared_storage():
     save_safetensors(dict(together[0]))  # refuses tensors that share memory
 
 
-def test_weight_transactions_stage_replace_and_expire():
-    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
-    transactions = server_module.WeightTransactions(idle_timeout=0.2)
-    transaction = transactions.begin("policy", 4)
-    transactions.add_chunk(transaction.id, 0, {"x": torch.ones(2)}, 8)
-    transactions.add_chunk(transaction.id, 0, {"y": torch.ones(2)}, 8)  # a retry replaces the chunk
-    with pytest.raises(server_module.ServerError, match=r"Chunk 1 repeats tensors already staged: y \(chunk 0\)"):
-        transactions.add_chunk(transaction.id, 1, {"y": torch.zeros(2), "z": torch.zeros(1)}, 12)
-    transactions.add_chunk(transaction.id, 2, {"z": torch.zeros(1)}, 4)
-    with pytest.raises(server_module.ServerError, match=r"chunks \[1\] never arrived") as error:
-        transactions.get(transaction.id).merged(3)
-    assert error.value.status_code == 400
-    assert transactions.describe()[0]["chunks"] == [0, 2]
-    time.sleep(0.3)
-    assert transactions.describe() == []
-    with pytest.raises(server_module.ServerError, match="expired after 0.2 s") as error:
-        transactions.take(transaction.id, 1)
-    assert error.value.status_code == 404
-    with pytest.raises(server_module.ServerError, match="No open transaction nope"):
-        transactions.abort("nope")
-
-
-def test_weight_transactions_refuse_beyond_their_limits():
-    """Open transactions, bytes (declared before a chunk is read) and chunks are bounded: 429 when others hold the
-    room, 413 when one transaction alone is too large; nothing is staged by a refused chunk."""
-    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
-    ServerError = server_module.ServerError
-    transactions = server_module.WeightTransactions(idle_timeout=60, max_open=2, max_staged_bytes=100, max_chunks=3)
-    first, second = transactions.begin("policy", 1), transactions.begin("draft", 1)
-    with pytest.raises(ServerError, match=r"2 weight updates are open.*max_open_transactions=2") as error:
-        transactions.begin("policy", 2)
-    assert error.value.status_code == 429
-    with pytest.raises(ServerError, match=r"over this server's max_staged_bytes=100") as error:
-        with transactions.reserving(first.id, 0, 101):
-            pass
-    assert error.value.status_code == 413
-    with transactions.reserving(first.id, 0, 60):
-        assert transactions.describe()[0]["bytes"] == 60  # counted while the body is being received
-        transactions.add_chunk(first.id, 0, {"x": torch.ones(15)}, 60)
-    with pytest.raises(ServerError, match=r"other open transactions hold 60") as error:
-        with transactions.reserving(second.id, 0, 50):
-            pass
-    assert error.value.status_code == 429
-    with pytest.raises(ServerError, match=r"Chunk index 3 is beyond this server's max_chunks=3") as error:
-        with transactions.reserving(first.id, 3, 1):
-            pass
-    assert error.value.status_code == 413
-    with pytest.raises(ServerError, match=r"num_chunks=10000000 is beyond .* stays open") as error:
-        transactions.take(first.id, 10**7)
-    assert error.value.status_code == 413
-    assert [entry["bytes"] for entry in transactions.describe()] == [60, 0]
-    with pytest.raises(ServerError, match=r"chunks \[1, 2\] never arrived"):
-        transactions.take(first.id, 3).merged(3)
-    transactions.begin("policy", 2)  # the taken transaction freed its place
-
-
 def test_serve_refuses_an_open_api_beyond_loopback(monkeypatch):
     """Without a key, only a loopback bind or an explicit `allow_unauthenticated` gets as far as building the
     engine."""
@@ -165,51 +99,6 @@ def test_serve_refuses_an_open_api_beyond_loopback(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV)
     with pytest.raises(ValueError, match="listens beyond this machine"):
         main(["vllm-serve", "--model", "unused", "--host", "0.0.0.0"])
-
-
-class _EngineThatFailsOnSomeWeights:
-    """Just enough engine for `RolloutServer.commit`: one weight `w`, and generation fails while `w` holds 13, as
-    vLLM did on weights that passed every check (an out-of-range `d2t`)."""
-
-    has_draft, vocab_size = False, 8
-
-    def __init__(self):
-        self.weights = {"w": torch.zeros(2)}
-
-    def check_weights(self, which, named_shapes, *, complete=True):
-        pass
-
-    def read_weights(self, which):
-        return {name: tensor.clone() for name, tensor in self.weights.items()}
-
-    def sync_weights(self, which, named_tensors):
-        self.weights = {name: tensor.clone() for name, tensor in named_tensors}
-        return SyncStats(num_tensors=len(self.weights), load_seconds=0.0, verify_seconds=None)
-
-    def generate(self, prompt_token_ids, **kwargs):
-        if (self.weights["w"] == 13).any():
-            raise IndexError("index 13 is out of bounds")
-        return RolloutOutput(completion_ids=[[1]], logprobs=None, spec_decode=SpecDecodeStats())
-
-    def close(self):
-        pass
-
-
-def test_commit_whose_first_generation_fails_is_rolled_back():
-    server_module = pytest.importorskip("hf_spec_cotrain.generation.server", reason="needs fastapi (vLLM extra)")
-    server = server_module.RolloutServer(_EngineThatFailsOnSomeWeights, transaction_timeout=60, max_chunk_bytes=2**20)
-    try:
-        good = server.transactions.begin("policy", 1)
-        server.transactions.add_chunk(good.id, 0, {"w": torch.ones(2)}, 8)
-        server.commit(server.transactions.take(good.id, 1), 1)
-        bad = server.transactions.begin("policy", 2)
-        server.transactions.add_chunk(bad.id, 0, {"w": torch.full((2,), 13.0)}, 8)
-        with pytest.raises(server_module.ServerError, match=r"IndexError: index 13 .* restored the previous policy"):
-            server.commit(server.transactions.take(bad.id, 1), 1)
-        assert torch.equal(server.engine.weights["w"], torch.ones(2))
-        assert server.health()["versions"]["policy"] == 1
-    finally:
-        server.close()
 
 
 def test_vllm_serve_options_become_engine_arguments():

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from hf_spec_cotrain.generation.client import API_KEY_ENV, VLLMServerClient
+from hf_spec_cotrain.generation.client import VLLMServerClient
+from hf_spec_cotrain.generation.protocol import API_KEY_ENV
 
 
 # Short, so that the abandoned-transaction test waits only seconds; uploads here take milliseconds.

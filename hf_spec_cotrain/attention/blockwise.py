@@ -270,12 +270,12 @@ def trunk_backward(
     return dq, dk, dv
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half precision, the input dtype otherwise (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _grouped(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+def grouped_by_kv_head(q: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """`[B, Hq, L, D]` -> `[B, Hkv, G, L, D]`; query head h belongs to key/value head h // G (as HF's repeat_kv)."""
     return q.unflatten(1, (num_kv_heads, q.shape[1] // num_kv_heads)).to(dtype)
 
@@ -285,10 +285,10 @@ def grouped_backward_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`q` and `dout` grouped by key/value head in the compute dtype, and `delta = rowsum(dout * out)`: what every
     backward driver starts from."""
-    dtype = _compute_dtype(q.dtype)
-    dout_grouped = _grouped(dout, num_kv_heads, dtype)
-    delta = (dout_grouped * _grouped(out, num_kv_heads, dtype)).sum(dim=-1)
-    return _grouped(q, num_kv_heads, dtype), dout_grouped, delta
+    dtype = compute_dtype(q.dtype)
+    dout_grouped = grouped_by_kv_head(dout, num_kv_heads, dtype)
+    delta = (dout_grouped * grouped_by_kv_head(out, num_kv_heads, dtype)).sum(dim=-1)
+    return grouped_by_kv_head(q, num_kv_heads, dtype), dout_grouped, delta
 
 
 def add_branch_partial(q_grouped, branch_k, branch_v, out, lse, *, scale):
@@ -357,8 +357,8 @@ def branch_attention_forward(
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Single-device forward on public layouts; returns `out [B, Hq, Lq, D]` in q's dtype and `lse [B, Hkv, G, Lq]`."""
-    dtype = _compute_dtype(q.dtype)
-    q_grouped = _grouped(q, k.shape[1], dtype)
+    dtype = compute_dtype(q.dtype)
+    q_grouped = grouped_by_kv_head(q, k.shape[1], dtype)
     query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
     out, lse = trunk_forward(
         q_grouped,

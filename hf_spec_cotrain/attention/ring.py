@@ -35,14 +35,14 @@ from ..parallel.zigzag import ring_steps, zigzag_bounds, zigzag_indices
 from ..validation import check_cu_seqlens, check_int
 from .blockwise import (
     BLOCK_SIZE,
-    _compute_dtype,
-    _grouped,
     add_branch_grads,
     add_branch_partial,
     add_sinks,
     autocast_off,
+    compute_dtype,
     empty_partial,
     grouped_backward_inputs,
+    grouped_by_kv_head,
     sink_grads,
     trunk_backward,
     trunk_forward,
@@ -129,8 +129,8 @@ def ring_branch_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]`, `lse [B, Hkv, G, L/W]` and the
     trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
-    dtype = _compute_dtype(q.dtype)
-    q_grouped = _grouped(q, k.shape[1], dtype)
+    dtype = compute_dtype(q.dtype)
+    q_grouped = grouped_by_kv_head(q, k.shape[1], dtype)
     out, lse = empty_partial(q_grouped)
     key, value = k.contiguous(), v.contiguous()  # travel in the input dtype, computed on in the compute dtype
     comm = RingComm(layout.group)
@@ -241,8 +241,8 @@ def allgather_branch_attention_forward(
     Returns the gathered K/V for the backward, which keeps them alive until then, as earlier draft CP
     implementations do (autograd saves the gathered tensors): W times the ring's K/V memory per call.
     """
-    dtype = _compute_dtype(q.dtype)
-    q_grouped = _grouped(q, k.shape[1], dtype)
+    dtype = compute_dtype(q.dtype)
+    q_grouped = grouped_by_kv_head(q, k.shape[1], dtype)
     out, lse = empty_partial(q_grouped)
     keys, values = all_gather_stacked(k, layout.group), all_gather_stacked(v, layout.group)
     for source in map(layout.source, layout.steps):

@@ -49,6 +49,7 @@ from .speculators_format import (
     speculators_config_from_eagle3,
     speculators_state_dict,
 )
+from .upload import push_draft_folder
 from .vocab import select_draft_vocab, vocab_maps
 
 
@@ -296,7 +297,7 @@ class Eagle3DraftModel(PreTrainedModel):
             if format != "eagle3":
                 raise ValueError(
                     f"`push_to_hub=True` pushes the EAGLE-3 layout: save with format={format!r} to a folder, then "
-                    "upload it with `hf_spec_cotrain.hub.push_draft_folder`."
+                    "upload it with `hf_spec_cotrain.draft.upload.push_draft_folder`."
                 )
             return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory))), **kwargs)
         speculators = format == "speculators"
@@ -335,8 +336,6 @@ class Eagle3DraftModel(PreTrainedModel):
         create_pr: bool = False,
     ):
         """Upload the checkpoint (plus ``model_card`` as README.md) to ``repo_id``; returns the commit info."""
-        from ..hub import push_draft_folder
-
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder)
             if model_card is not None:

@@ -16,10 +16,10 @@ _MODULE_OF = {
     "PlainDecoding": "adaptive",
     "SpeculationPolicy": "adaptive",
     "DRAFT_SAMPLING_METHODS": "speculative",
-    "SpeculativeOutput": "speculative",
-    "greedy_verify": "speculative",
-    "rejection_sample": "speculative",
-    "residual_distribution": "speculative",
+    "SpeculativeOutput": "decoder",
+    "greedy_verify": "verification",
+    "rejection_sample": "verification",
+    "residual_distribution": "verification",
     "speculative_generate": "speculative",
     "EngineRestartedError": "engine",
     "EngineUnavailableError": "engine",
@@ -63,6 +63,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
     from .client import VLLMServerClient, VLLMServerError
+    from .decoder import SpeculativeOutput
     from .engine import (
         EngineRestartedError,
         EngineUnavailableError,
@@ -73,14 +74,8 @@ if TYPE_CHECKING:
         WeightSyncError,
     )
     from .pipelined import PipelinedTarget
-    from .speculative import (
-        DRAFT_SAMPLING_METHODS,
-        SpeculativeOutput,
-        greedy_verify,
-        rejection_sample,
-        residual_distribution,
-        speculative_generate,
-    )
+    from .speculative import DRAFT_SAMPLING_METHODS, speculative_generate
+    from .verification import greedy_verify, rejection_sample, residual_distribution
     from .vllm_engine import VLLM_INSTALL_HINT, VLLMRolloutEngine
 
 

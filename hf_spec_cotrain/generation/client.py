@@ -32,12 +32,24 @@ from .engine import (
     WeightSet,
     check_weight_set,
 )
+from .protocol import (
+    API_KEY_ENV,
+    CHECK_ROUTE,
+    CHUNK_ROUTE,
+    COMMIT_ROUTE,
+    GENERATE_ROUTE,
+    HEALTH_ROUTE,
+    INSTANCE_HEADER,
+    NCCL_CHUNK_ROUTE,
+    NCCL_INIT_ROUTE,
+    SHA256_HEADER,
+    TRANSACTION_ROUTE,
+    TRANSACTIONS_ROUTE,
+    VERSION_ROUTE,
+)
 
 
 __all__ = [
-    "API_KEY_ENV",
-    "INSTANCE_HEADER",
-    "SHA256_HEADER",
     "SentChunks",
     "ServerRolloutOutput",
     "VLLMServerClient",
@@ -47,13 +59,6 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
-# The SHA-256 (hex) of a chunk's bytes, checked by the server: a truncated or altered chunk is refused.
-SHA256_HEADER = "X-Content-SHA256"
-# An id the server draws at every start, on every answer: a new one means the pushed weights were lost.
-INSTANCE_HEADER = "X-Server-Instance"
-# The API key of server and client when none is given (an environment variable stays out of `ps` and of saved
-# arguments).
-API_KEY_ENV = "HF_SPEC_COTRAIN_API_KEY"
 # Backoff between attempts to reach a server that refuses connections (restarting): doubling up to the cap.
 _FIRST_RETRY_DELAY = 0.5
 _MAX_RETRY_DELAY = 8.0
@@ -156,7 +161,7 @@ class VLLMServerClient:
 
     def health(self) -> dict[str, Any]:
         """The server's status; raises `VLLMServerError` (503) when it cannot serve rollouts. A probe: not retried."""
-        return self._request("GET", "/health", timeout=self.connect_timeout, retry=False)
+        return self._request("GET", HEALTH_ROUTE, timeout=self.connect_timeout, retry=False)
 
     def wait_until_ready(self, timeout: float = 300.0, *, poll_interval: float = 1.0) -> dict[str, Any]:
         """Poll `health` until the server answers 200; raise TimeoutError with the last problem after `timeout` s."""
@@ -171,7 +176,7 @@ class VLLMServerClient:
             time.sleep(poll_interval)
 
     def weights_version(self) -> WeightsVersion:
-        return WeightsVersion(**self._request("GET", "/weights/version"))
+        return WeightsVersion(**self._request("GET", VERSION_ROUTE))
 
     def check_weights(self, which: WeightSet, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Raise the ValueError a sync of tensors of these names and shapes would meet on the server (unknown,
@@ -183,7 +188,7 @@ class VLLMServerClient:
             "shapes": [[int(size) for size in shape] for _, shape in named_shapes],
         }
         try:
-            self._request("POST", "/weights/check", json=body)
+            self._request("POST", CHECK_ROUTE, json=body)
         except VLLMServerError as error:
             if error.status_code != 400:
                 raise
@@ -217,7 +222,7 @@ class VLLMServerClient:
             "logprobs": logprobs,
             "sampling_kwargs": sampling_kwargs,
         }
-        answer = self._request("POST", "/generate", json=body)
+        answer = self._request("POST", GENERATE_ROUTE, json=body)
         completion_logprobs = answer["logprobs"]
         if completion_logprobs is not None:
             completion_logprobs = [[math.nan if x is None else x for x in row] for row in completion_logprobs]
@@ -258,7 +263,7 @@ class VLLMServerClient:
         """Open a weight-update transaction of `which` on the server; returns its id. Chunks may then come from
         several senders (each pipeline stage its own weights, `stage_sync.sync_stages`) before one commit."""
         check_weight_set(which)
-        begun = self._request("POST", "/weights/transactions", json={"target": which, "version": version})
+        begun = self._request("POST", TRANSACTIONS_ROUTE, json={"target": which, "version": version})
         return begun["transaction_id"]
 
     def send_chunks(
@@ -289,7 +294,7 @@ class VLLMServerClient:
         if num_chunks == 0:
             raise ValueError("No tensors were sent: an update replaces every weight of its set.")
         committed = self._request(
-            "POST", f"/weights/transactions/{transaction_id}/commit", json={"num_chunks": num_chunks}
+            "POST", COMMIT_ROUTE.format(transaction_id=transaction_id), json={"num_chunks": num_chunks}
         )
         return WeightUpdate(
             target=committed["target"],
@@ -306,7 +311,10 @@ class VLLMServerClient:
         reached has already discarded them (404), and an unreachable server drops them when they expire."""
         try:
             self._request(
-                "DELETE", f"/weights/transactions/{transaction_id}", timeout=self.connect_timeout, retry=False
+                "DELETE",
+                TRANSACTION_ROUTE.format(transaction_id=transaction_id),
+                timeout=self.connect_timeout,
+                retry=False,
             )
         except (requests.RequestException, VLLMServerError):
             pass
@@ -315,7 +323,7 @@ class VLLMServerClient:
         data = save_safetensors(dict(chunk))
         self._request(
             "PUT",
-            f"/weights/transactions/{transaction_id}/chunks/{index}",
+            CHUNK_ROUTE.format(transaction_id=transaction_id, index=index),
             data=data,
             headers={"Content-Type": "application/octet-stream", SHA256_HEADER: hashlib.sha256(data).hexdigest()},
         )
@@ -348,7 +356,7 @@ class VLLMServerClient:
         }
         # The server blocks in the rendezvous while answering, so both sides must enter it at the same time.
         with ThreadPoolExecutor(max_workers=1) as executor:
-            joined = executor.submit(self._request, "POST", "/nccl/init", json=body)
+            joined = executor.submit(self._request, "POST", NCCL_INIT_ROUTE, json=body)
             group = trainer_init({"master_address": master_address, "master_port": master_port, "world_size": 2})
             joined.result()
         self._nccl_group = group
@@ -365,7 +373,7 @@ class VLLMServerClient:
         # The server receives while answering the request, so the broadcast runs at the same time.
         with ThreadPoolExecutor(max_workers=1) as executor:
             staged = executor.submit(
-                self._request, "POST", f"/weights/transactions/{transaction_id}/nccl_chunks/{index}", json=body
+                self._request, "POST", NCCL_CHUNK_ROUTE.format(transaction_id=transaction_id, index=index), json=body
             )
             packed_nccl_broadcast_producer(
                 iter(chunk),

@@ -28,9 +28,9 @@ from torch import nn
 
 from ..taps import TapRecorder, decoder_of
 from ..validation import layer_types
+from .decoder import SpeculativeDecoder, compact_slots, layer_windows, target_attention_mask
 from .decoding_attention import decoding_attention
 from .linear_attention import LINEAR_ATTENTION, new_cache, select_rows
-from .speculative import _compact, _layer_windows, _SpeculativeDecoder, target_attention_mask
 
 
 __all__ = ["PipelinedTarget"]
@@ -76,7 +76,7 @@ class PipelinedTarget:
                 "(their states roll back on one process only): generate with `pipeline_parallel_size=1`."
             )
         self.text_config, self.hidden_size = text_config, text_config.hidden_size
-        self.layer_windows = _layer_windows(text_config)
+        self.layer_windows = layer_windows(text_config)
         self.aux_layer_ids = tuple(aux_layer_ids)
         # Every stage's taps in layer order: the order in which they ride behind the hidden states.
         taps = sorted(self.aux_layer_ids)
@@ -184,7 +184,7 @@ class PipelinedTarget:
             select_rows(self.cache, self._payload(sizes[0]))
         elif code == COMPACT:
             batch, slots, _ = sizes
-            _compact(self.cache, self._payload(batch * slots).view(batch, slots).bool())
+            compact_slots(self.cache, self._payload(batch * slots).view(batch, slots).bool())
         else:
             raise RuntimeError(f"Unknown pipelined-generation command {code}: the stages are out of step.")
         return True
@@ -240,7 +240,7 @@ class PipelinedTarget:
         dist.broadcast(tensor, src=self.ranks[self.driver], group=self.group)
 
 
-class _PipelinedDecoder(_SpeculativeDecoder):
+class _PipelinedDecoder(SpeculativeDecoder):
     """`speculative_generate`'s loop on the driver: its target forwards, its cache's row selection and compaction,
     and the draft's token embeddings go through the pipeline (the draft itself runs here, on the last stage)."""
 
@@ -248,26 +248,26 @@ class _PipelinedDecoder(_SpeculativeDecoder):
         self.pipeline = pipeline
         super().__init__(*args, **kwargs)
 
-    def _input_device(self) -> torch.device:
+    def input_device(self) -> torch.device:
         return self.pipeline.device
 
-    def _target_forward(
+    def target_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, logits_to_keep: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pipeline.forward(
             input_ids, position_ids, self.target_mask, self.target_cache, logits_to_keep=logits_to_keep
         )
 
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.pipeline.embed(token_ids).to(self.draft.fc.weight.dtype)
 
-    def _drop_finished(self, finished, row_tensors, pending):
+    def drop_finished(self, finished, row_tensors, pending):
         if finished.any():
             self.pipeline.select_rows((~finished).nonzero().squeeze(1))
-        return super()._drop_finished(finished, row_tensors, pending)
+        return super().drop_finished(finished, row_tensors, pending)
 
-    def _compact_caches(self) -> None:
+    def compact_caches(self) -> None:
         slot_mask = self.target_mask
-        super()._compact_caches()
+        super().compact_caches()
         if self.target_mask is not slot_mask:  # the driver's cache was compacted: the stages compact theirs alike
             self.pipeline.compact(slot_mask)

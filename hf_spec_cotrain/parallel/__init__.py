@@ -1,9 +1,9 @@
 """Parallelism, the base layer that `attention/` and the training step build on: context parallelism on the zigzag
 layout (docs/design.md section 5) and the pipeline stages with taps sent to the draft's stage (section 6).
 
-`ParallelDims` holds a run's context- and pipeline-parallel sizes, checked once, and builds the 2-D device mesh
-(data parallel x context parallel) of a context-parallel run; `apply_fsdp2` shards a policy over it where accelerate
-does not (on CPU).
+`ParallelDims` holds a run's pipeline, data- and context-parallel sizes, checked once (against the run's options and
+policy too, by the rules of `parallel.compatibility`), and builds its one device mesh with those named axes;
+`apply_fsdp2` shards a policy over it where accelerate does not (on CPU).
 
 `zigzag_shard` / `zigzag_unshard` / `zigzag_position_ids` / `pad_documents` implement the layout; `ZigzagHalo`
 shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's rows as zigzag-sharded documents;
@@ -13,7 +13,7 @@ shifts the TTT inputs across shards; `pack_rows` / `policy_log_probs` run TRL's 
 `stage_layer_ranges`, `pipeline_stage_class` (a model class that loads one stage of a checkpoint),
 `stream_pipeline_weights` and `TapChannel` are the pipeline's pieces (the co-training step
 that uses them is `hf_spec_cotrain.training.pipeline_step.PipelineCoTrainStep`). Those names, and `ParallelDims`
-(which reads the pipeline's schedules), are imported lazily: the pipeline pulls in transformers and
+(whose rules read the pipeline's schedules), are imported lazily: the pipeline pulls in transformers and
 `torch.distributed.pipelining`, which context parallelism does not need.
 """
 

@@ -24,7 +24,6 @@ from ..validation import check_int
 
 
 __all__ = [
-    "GRPO_LOSS_TYPES",
     "MIN_MICROBATCHES",
     "PIPELINE_SCHEDULES",
     "TAP_TRANSPORTS",
@@ -41,9 +40,6 @@ PIPELINE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 TAP_TRANSPORTS = ("channel", "relay")
 """How taps reach the draft's stage: over a `TapChannel`, or riding the stage outputs."""
 MIN_MICROBATCHES = 4
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-"""TRL's clipped-ratio losses the pipelined step computes; they differ only in how a batch's token losses are
-averaged."""
 
 
 def min_microbatches(schedule: str, num_stages: int) -> int:

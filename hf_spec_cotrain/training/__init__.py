@@ -21,7 +21,6 @@ __all__ = [
     "StepTimes",
     "StepTimesCallback",
     "build_parallel_strategy",
-    "grpo_loss",
 ]
 
 _MODULE_OF = {
@@ -36,7 +35,6 @@ _MODULE_OF = {
     "StepTimes": "timing",
     "StepTimesCallback": "timing",
     "build_parallel_strategy": "strategy",
-    "grpo_loss": "pipeline_step",
 }
 
 if TYPE_CHECKING:
@@ -44,7 +42,7 @@ if TYPE_CHECKING:
     from .data_parallel import DataParallel
     from .draft_cotraining import DraftCoTrainer
     from .pipeline_parallel import PipelineParallel
-    from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput, grpo_loss
+    from .pipeline_step import GRPOBatch, PipelineCoTrainStep, PipelineStepOutput
     from .rollouts import SpeculativeRollouts
     from .strategy import build_parallel_strategy
     from .timing import StepTimes, StepTimesCallback

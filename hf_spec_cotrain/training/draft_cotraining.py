@@ -5,6 +5,10 @@ gradients), steps the draft's optimizer after the policy's (gradients averaged o
 skipped when anything is non-finite), logs the ``draft/*`` metrics and holds the draft's checkpoint state. Nothing
 here touches the policy: no gradient crosses from the draft to the policy or back.
 
+Its TTT micro-step (`DraftCoTrainer.ttt_micro_step`, with `DraftStepSettings`) is the draft's only one: the pipeline's
+last stage and the offline warm start run it too, and `build_draft_optimizer` builds the warm start's optimizer as it
+builds the co-trainer's.
+
 The draft heals: the last draft that passed `Eagle3DraftModel.validate_weights` after an update (weights and optimizer
 state, in host memory: one copy of each) is restored whenever the draft fails it, at the start of every step (before
 rollouts use it or an engine receives it) and after every update. Restores that keep failing stop speculation for the
@@ -12,7 +16,7 @@ rest of the run, loudly, rather than failing every step.
 """
 
 import copy
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +28,7 @@ from transformers.utils import logging
 from ..draft import Eagle3DraftModel
 from ..parallel.comm import all_reduce_gradients
 from ..taps import Taps
-from ..ttt import TTTOutput, ttt_loss
+from ..ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
 from .timing import StepTimes
 
 
@@ -38,6 +42,38 @@ def seeded_generator(*key: int, device=None) -> torch.Generator:
     """A generator seeded from ``key`` (ints hash the same in every process and run), not from the global RNG, so
     that a resumed run draws what the uninterrupted one would have."""
     return torch.Generator(device=device).manual_seed(hash(key) % 2**63)
+
+
+def build_draft_optimizer(
+    draft: Eagle3DraftModel,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    lr_scheduler_type: str,
+    warmup_steps: int,
+    total_steps: int,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the draft's trainable parameters and its transformers learning-rate schedule."""
+    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=learning_rate, weight_decay=weight_decay)
+    scheduler = get_scheduler(
+        lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
+    return optimizer, scheduler
+
+
+@dataclass(frozen=True)
+class DraftStepSettings:
+    """How the draft's TTT micro-step runs: ``ttt_steps`` unrolled steps weighted ``step_weight_decay**d``,
+    optionally recomputed in the backward (``gradient_checkpointing``), under bf16 autocast when ``bf16`` (the
+    draft's weights stay float32)."""
+
+    ttt_steps: int = 3
+    step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+
+    def autocast(self, device_type: str) -> AbstractContextManager:
+        return torch.autocast(device_type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
 
 @dataclass
@@ -71,14 +107,22 @@ class DraftCoTrainer:
         self.draft, self.args, self.accelerator = draft, args, accelerator
         self.step_times = step_times or StepTimes(metrics)
         self.output_weight, self.metrics, self.owner_rank = output_weight, metrics, owner_rank
-        self.optimizer = torch.optim.AdamW(
-            draft.trainable_parameters(), lr=args.draft_learning_rate, weight_decay=args.draft_weight_decay
+        self.optimizer, self.scheduler = build_draft_optimizer(
+            draft,
+            learning_rate=args.draft_learning_rate,
+            weight_decay=args.draft_weight_decay,
+            lr_scheduler_type=args.draft_lr_scheduler_type,
+            warmup_steps=args.draft_warmup_steps,
+            total_steps=max(1, args.max_steps if args.max_steps > 0 else 10**9),
         )
-        self.scheduler = get_scheduler(
-            args.draft_lr_scheduler_type,
-            self.optimizer,
-            num_warmup_steps=args.draft_warmup_steps,
-            num_training_steps=max(1, args.max_steps if args.max_steps > 0 else 10**9),
+        # bf16 autocast as `draft_bf16` asks, by default when the policy trains in bf16 (accelerate autocasts only the
+        # policy's forward). Under an fp16 policy the draft stays float32 unless asked: fp16 would need a loss scaler.
+        draft_bf16 = accelerator.mixed_precision == "bf16" if args.draft_bf16 is None else args.draft_bf16
+        self.settings = DraftStepSettings(
+            ttt_steps=args.ttt_steps,
+            step_weight_decay=args.ttt_step_weight_decay,
+            gradient_checkpointing=args.ttt_gradient_checkpointing,
+            bf16=draft_bf16,
         )
         self.skipped_steps = 0
         self.restored_steps = 0
@@ -120,57 +164,81 @@ class DraftCoTrainer:
     def micro_step(
         self, recorded: RecordedTaps, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None
     ) -> None:
-        """Backpropagate the draft's TTT loss on one forward's taps (divided by ``loss_divisor``: the micro-steps
-        the draft's gradients accumulate over) into its gradients."""
-        args = self.args
-        cp_group = cp_group if recorded.cu_seqlens is not None else None
-        teacher = self.teacher_logits(recorded.taps.final_hidden)
-        with self.autocast():
-            out = ttt_loss(
-                self.draft,
+        """`ttt_micro_step` on one forward's taps (its loss divided by ``loss_divisor``: the micro-steps the draft's
+        gradients accumulate over), its metrics kept for the next `update`."""
+        out, total_loss = self.ttt_micro_step(
+            self.draft,
+            recorded,
+            teacher_logits=self.teacher_logits(recorded.taps.final_hidden),
+            settings=self.settings,
+            loss_scale=1.0 / loss_divisor,
+            cp_group=cp_group,
+        )
+        self.record_metrics(out, total_loss)
+
+    @staticmethod
+    def ttt_forward(
+        draft: Eagle3DraftModel,
+        recorded: RecordedTaps,
+        *,
+        teacher_logits: torch.Tensor,
+        settings: DraftStepSettings,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> TTTOutput:
+        """The draft's TTT loss on one forward's taps, under the settings' autocast (``cp_group``: that of packed
+        documents' shards); no backward: evaluation runs this alone."""
+        with settings.autocast(recorded.taps.aux_hidden_states.device.type):
+            return ttt_loss(
+                draft,
                 aux_hidden_states=recorded.taps.aux_hidden_states,
                 input_embeds=recorded.taps.embeddings,
-                teacher_logits=teacher,
+                teacher_logits=teacher_logits,
                 loss_mask=recorded.loss_mask.bool(),
                 attention_mask=None if recorded.attention_mask is None else recorded.attention_mask.bool(),
                 cu_seqlens=recorded.cu_seqlens,
-                ttt_steps=args.ttt_steps,
-                step_weight_decay=args.ttt_step_weight_decay,
+                ttt_steps=settings.ttt_steps,
+                step_weight_decay=settings.step_weight_decay,
                 cp_group=cp_group,
-                gradient_checkpointing=args.ttt_gradient_checkpointing,
+                gradient_checkpointing=settings.gradient_checkpointing,
             )
+
+    @staticmethod
+    def ttt_micro_step(
+        draft: Eagle3DraftModel,
+        recorded: RecordedTaps,
+        *,
+        teacher_logits: torch.Tensor,
+        settings: DraftStepSettings,
+        loss_scale: float = 1.0,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> tuple[TTTOutput, torch.Tensor]:
+        """The draft's micro-step: `ttt_forward`, then the backward of its loss times ``loss_scale`` into the
+        draft's gradients, skipped when the loss is not finite. Returns the output and the whole loss that decided
+        (under context parallelism the global one, so that every rank of the group decides alike: a backward on some
+        ranks only would hang the ring). ``cp_group`` applies to packed documents (``recorded.cu_seqlens``) only."""
+        cp_group = cp_group if recorded.cu_seqlens is not None else None
+        out = DraftCoTrainer.ttt_forward(
+            draft, recorded, teacher_logits=teacher_logits, settings=settings, cp_group=cp_group
+        )
         total_loss = out.loss.detach()
-        if cp_group is not None:
-            # `out.loss` is this rank's share; the step losses are global, so every rank of the group takes the same
-            # decision below (a backward on some ranks only would hang the ring).
-            weights = args.ttt_step_weight_decay ** torch.arange(args.ttt_steps, device=out.step_losses.device)
+        if cp_group is not None:  # `out.loss` is this rank's share; the step losses are global
+            weights = settings.step_weight_decay ** torch.arange(settings.ttt_steps, device=out.step_losses.device)
             total_loss = (weights * out.step_losses).sum()
         if torch.isfinite(total_loss):
-            (out.loss / loss_divisor).backward()
-        self.record_metrics(out, total_loss)
+            (out.loss * loss_scale).backward()
+        return out, total_loss
 
     def record_metrics(self, out: TTTOutput | None, total_loss: torch.Tensor | None = None) -> None:
         """Keep one micro-step's metrics for the next `update`; a placeholder row where another rank trained the
         draft (pipeline parallelism: the owner broadcasts its rows)."""
         if out is None:
-            self._micro_metrics.append(torch.zeros(1 + 3 * self.args.ttt_steps))
+            self._micro_metrics.append(torch.zeros(1 + 3 * self.settings.ttt_steps))
             return
         total_loss = out.loss.detach() if total_loss is None else total_loss
         if not torch.isfinite(total_loss):
             self._has_nonfinite = True
         parts = [total_loss.float().view(1), out.step_losses.float(), out.step_accuracies.float()]
         self._micro_metrics.append(torch.cat([*parts, out.step_counts.float()]).to(self.accelerator.device))
-
-    def autocast(self):
-        """bf16 autocast for the draft's TTT when `draft_bf16` asks for it, by default when the policy trains in bf16
-        (accelerate autocasts only the policy's forward). The draft keeps float32 weights; under an fp16 policy it
-        stays float32 unless asked, since fp16 would need a loss scaler of its own."""
-        draft_bf16 = self.args.draft_bf16
-        if draft_bf16 is None:
-            draft_bf16 = self.accelerator.mixed_precision == "bf16"
-        if draft_bf16:
-            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
-        return nullcontext()
 
     # ------------------------------------------------------------------ the update
 
@@ -262,7 +330,7 @@ class DraftCoTrainer:
     def _log_metrics(self, grad_norm: torch.Tensor) -> None:
         if not self._micro_metrics:
             return
-        k = self.args.ttt_steps
+        k = self.settings.ttt_steps
         local = torch.stack(self._micro_metrics).to(self.accelerator.device)
         self._micro_metrics.clear()
         if self.owner_rank is not None:  # the owner's metrics (the other ranks hold placeholders)

@@ -2,8 +2,8 @@
 
 `PipelineCoTrainStep` cuts a HF causal LM into stages (`hf_spec_cotrain.parallel.pipeline`); the last stage holds
 the final norm, the lm_head, the GRPO loss and the whole draft. One step runs the policy's forward and backward
-through a `torch.distributed.pipelining` schedule (GPipe or 1F1B), with the GRPO loss of TRL (`grpo_loss`) on each
-micro-batch at the last stage.
+through a `torch.distributed.pipelining` schedule (GPipe or 1F1B), with the GRPO loss of TRL
+(`hf_spec_cotrain.losses.grpo_loss`) on each micro-batch at the last stage.
 
 Taps reach the draft in one of two ways (``tap_transport``):
 
@@ -13,10 +13,11 @@ Taps reach the draft in one of two ways (``tap_transport``):
 * ``"relay"`` (the baseline): taps ride the pipeline as extra stage outputs; every stage forwards the taps of
   earlier stages plus its own with its activations.
 
-The draft's training-time test runs on the last stage once its part of the schedule is done (while the earlier
-stages still drain their backward passes), on the whole batch, with the teacher computed there from the final
-norm's output and the lm_head rows of the draft vocabulary. Policy gradients accumulate in each stage's
-parameters and draft gradients in the draft's, exactly as one process would compute them on the whole model.
+The draft's training-time test (`DraftCoTrainer.ttt_micro_step`, the micro-step of every draft) runs on the last
+stage once its part of the schedule is done (while the earlier stages still drain their backward passes), on the
+whole batch, with the teacher computed there from the final norm's output and the lm_head rows of the draft
+vocabulary. Policy gradients accumulate in each stage's parameters and draft gradients in the draft's, exactly as
+one process would compute them on the whole model.
 """
 
 import math
@@ -25,12 +26,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+from ..losses import (
+    check_grpo_loss_type,
+    completion_loss_mask,
+    grpo_loss,
+    grpo_loss_normalizer,
+    grpo_per_token_logps,
+)
 from ..parallel.pipeline import (
-    GRPO_LOSS_TYPES,
     MIN_MICROBATCHES,
     PIPELINE_SCHEDULES,
     TAP_TRANSPORTS,
@@ -40,132 +46,15 @@ from ..parallel.pipeline import (
     stage_layer_ranges,
 )
 from ..parallel.tap_channel import TapChannel
-from ..taps import decoder_of, validate_aux_layer_ids
-from ..ttt import ttt_loss
+from ..taps import Taps, decoder_of, validate_aux_layer_ids
+from ..ttt import TTTOutput
 from ..validation import check_int
+from .draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps
 
 
-__all__ = [
-    "GRPOBatch",
-    "PipelineCoTrainStep",
-    "PipelineStepOutput",
-    "grpo_loss",
-    "grpo_loss_normalizer",
-    "grpo_per_token_logps",
-]
+__all__ = ["GRPOBatch", "PipelineCoTrainStep", "PipelineStepOutput"]
 
 EMBEDDING_TAP = 0  # the input of decoder layer 0 is the token embedding
-
-
-# ---------------------------------------------------------------------------------------------------- GRPO loss
-
-
-def grpo_per_token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float = 1.0):
-    """``log_softmax(logits / T)`` at the completion tokens, in float32 at least: TRL's policy log-probs.
-
-    ``logits`` are those of the positions that predict the completion tokens, ``[B, C, V]``.
-    """
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    log_probs = F.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    return log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-
-
-def grpo_loss(
-    logits: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_per_token_logps: torch.Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    loss_type: str = "dapo",
-    normalizer: float | torch.Tensor | None = None,
-    ref_per_token_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    bias_correction_kl: bool = True,
-) -> torch.Tensor:
-    r"""
-    TRL's GRPO loss with token-level importance sampling, for the loss types of `GRPO_LOSS_TYPES`.
-
-    ``sum (-min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta kl_t) * mask_t / normalizer`` with
-    ``r_t = exp(logp_t - old_logp_t)``, summed over the counted tokens (``loss_type="grpo"``: each row's sum
-    divided by its counted tokens first, then summed over the rows); without ``old_per_token_logps`` the ratio is
-    1 with the policy's own gradient (TRL detaches the current log-probs then). With ``beta`` > 0, TRL's KL
-    estimate to the reference model ``kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1``, times ``r_t`` with
-    ``bias_correction_kl`` (TRL's ``use_bias_correction_kl``, on by default: ``r_t`` then carries the policy's
-    gradient into the KL term even without old log-probs).
-
-    Args:
-        logits: ``[B, C, V]`` logits at the positions predicting the completion tokens.
-        completion_ids, completion_mask: ``[B, C]``; the mask selects the tokens that count (with tools:
-            ``completion_mask * tool_mask``).
-        advantages: ``[B]`` (or ``[B, C]``).
-        old_per_token_logps: ``[B, C]`` log-probs of the rollout policy, or None.
-        loss_type: one of `GRPO_LOSS_TYPES`.
-        normalizer: the denominator (`grpo_loss_normalizer` gives TRL's for a whole batch). Default: this call's
-            own, without gradient accumulation. Summing the losses of micro-batches that all use the whole batch's
-            normalizer gives the whole batch's loss.
-        ref_per_token_logps: ``[B, C]`` log-probs of the reference model, required when ``beta`` is not 0.
-        beta, bias_correction_kl: TRL's ``beta`` and ``use_bias_correction_kl``.
-    """
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
-    if beta != 0.0 and ref_per_token_logps is None:
-        raise ValueError(f"`beta`={beta} weighs a KL term to the reference model: pass `ref_per_token_logps`.")
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    mask = completion_mask.to(torch.float32)
-    per_token_logps = grpo_per_token_logps(logits, completion_ids, temperature=temperature)
-    per_token_logps = per_token_logps.masked_fill(completion_mask == 0, 0.0)  # as TRL's label mask leaves them
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(per_token_logps - old)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
-    if beta != 0.0:
-        ref_per_token_logps = ref_per_token_logps.masked_fill(completion_mask == 0, 0.0)  # as TRL's are
-        log_ratio_to_reference = ref_per_token_logps - per_token_logps
-        per_token_kl = torch.exp(log_ratio_to_reference) - log_ratio_to_reference - 1
-        if bias_correction_kl:
-            per_token_kl = per_token_kl * ratio
-        per_token_loss = per_token_loss + beta * per_token_kl
-    per_token_loss = per_token_loss * mask
-    if loss_type == "grpo":
-        per_token_loss = per_token_loss / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    if normalizer is None:
-        normalizer = grpo_loss_normalizer(loss_type, completion_mask, max_completion_length=completion_ids.shape[1])
-    if isinstance(normalizer, torch.Tensor):
-        normalizer = normalizer.to(per_token_loss.dtype).clamp(min=1.0)
-    else:
-        normalizer = max(float(normalizer), 1.0)
-    return per_token_loss.sum() / normalizer
-
-
-def grpo_loss_normalizer(
-    loss_type: str,
-    loss_mask: torch.Tensor,
-    *,
-    max_completion_length: int,
-    num_items_in_batch: torch.Tensor | None = None,
-    gradient_accumulation_steps: int = 1,
-    steps_per_generation: int = 1,
-) -> torch.Tensor:
-    """TRL's denominator of `grpo_loss` for one whole batch (``loss_mask [B, C]``, the tokens that count) of an
-    accumulation window, as one process holding every row of it computes it: ``grpo`` averages the rows, ``bnpo``
-    the counted tokens, ``dr_grpo`` a fixed ``B * max_completion_length`` tokens, each then divided by the
-    accumulation steps; ``dapo`` divides by ``num_items_in_batch`` (the counted tokens of the generation batch,
-    default this batch's) rescaled to one accumulation window."""
-    rows = loss_mask.new_tensor(float(loss_mask.shape[0]), dtype=torch.float32)
-    counted = loss_mask.sum().to(torch.float32).clamp(min=1.0)
-    if loss_type == "dapo":
-        items = counted if num_items_in_batch is None else num_items_in_batch.to(torch.float32).clamp(min=1.0)
-        return items * gradient_accumulation_steps / steps_per_generation
-    per_batch = {"grpo": rows, "bnpo": counted, "dr_grpo": rows * max_completion_length}
-    if loss_type not in per_batch:
-        raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
-    return per_batch[loss_type] * gradient_accumulation_steps
 
 
 # ---------------------------------------------------------------------------------------------------- the step
@@ -201,7 +90,7 @@ class GRPOBatch:
     @property
     def loss_mask(self) -> torch.Tensor:
         """The completion tokens that count in the loss."""
-        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+        return completion_loss_mask(self.completion_mask, self.tool_mask)
 
 
 @dataclass
@@ -214,7 +103,7 @@ class PipelineStepOutput:
     """
 
     policy_loss: torch.Tensor | None = None
-    draft: object | None = None
+    draft: TTTOutput | None = None
 
 
 class PipelineCoTrainStep:
@@ -247,7 +136,8 @@ class PipelineCoTrainStep:
             whole or this rank's stage alone, cut **in place** to the same stage; each step first runs it
             forward-only through the pipeline (`torch.distributed.pipelining`'s ``eval``) on the step's batch, so
             the last stage gets the reference log-probs of every row without any rank holding the whole reference.
-        ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing: the draft's training-time test (`ttt_loss`).
+        ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing, draft_bf16: the draft's training-time test
+            (`DraftStepSettings`: the draft's TTT under bf16 autocast with ``draft_bf16``, float32 weights).
         device: where this stage runs (default: the model's device).
     """
 
@@ -272,6 +162,7 @@ class PipelineCoTrainStep:
         ttt_steps: int = 3,
         ttt_step_weight_decay: float = 0.8,
         ttt_gradient_checkpointing: bool = False,
+        draft_bf16: bool = False,
         device: torch.device | str | None = None,
     ):
         self.group = group if group is not None else dist.group.WORLD
@@ -295,8 +186,7 @@ class PipelineCoTrainStep:
                 "Pipeline parallelism with tied input/output embeddings is not supported: the embedding lives on "
                 "the first stage and the lm_head on the last. Untie them (`tie_word_embeddings=False`)."
             )
-        if loss_type not in GRPO_LOSS_TYPES:
-            raise ValueError(f"`loss_type`={loss_type!r} is not supported; choose one of {GRPO_LOSS_TYPES}.")
+        check_grpo_loss_type(loss_type)
         if beta != 0.0 and reference_model is None:
             raise ValueError(
                 f"`beta`={beta} weighs a KL term to the reference model: pass `reference_model=` (the full reference "
@@ -308,8 +198,12 @@ class PipelineCoTrainStep:
         self.num_microbatches = num_microbatches
         self.temperature, self.epsilon_low = temperature, epsilon_low
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-        self.ttt_steps, self.ttt_step_weight_decay = ttt_steps, ttt_step_weight_decay
-        self.ttt_gradient_checkpointing = ttt_gradient_checkpointing
+        self.draft_settings = DraftStepSettings(
+            ttt_steps=ttt_steps,
+            step_weight_decay=ttt_step_weight_decay,
+            gradient_checkpointing=ttt_gradient_checkpointing,
+            bf16=draft_bf16,
+        )
         self.tap_transport = tap_transport
         self.hidden_size = text_config.hidden_size
         self.vocab_size = text_config.vocab_size
@@ -583,26 +477,26 @@ class PipelineCoTrainStep:
                 per_tap.setdefault(tap_id, []).append(tensor)
         return {tap_id: torch.cat(tensors) for tap_id, tensors in per_tap.items()}
 
-    def _draft_inputs(self) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """The step's taps (by tap id) and the teacher's logits over the draft vocabulary, whole batch."""
+    def _draft_inputs(self, batch: GRPOBatch, attention_mask: torch.Tensor) -> tuple[RecordedTaps, torch.Tensor]:
+        """The step's taps, whole batch, and the teacher's logits over the draft vocabulary (from the final norm's
+        output and the lm_head)."""
         taps = self._gather_taps()
         final_hidden = torch.cat([self.module.final_hidden.pop(mb) for mb in range(self.num_microbatches)])
-        return taps, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
-
-    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float):
-        taps, teacher = self._draft_inputs()
-        loss_mask = torch.cat([torch.zeros_like(batch.prompt_mask), batch.loss_mask], dim=1)
-        out = ttt_loss(
-            self.draft,
-            aux_hidden_states=[taps[a] for a in self.aux_layer_ids],
-            input_embeds=taps[EMBEDDING_TAP],
-            teacher_logits=teacher,
-            loss_mask=loss_mask.bool(),
-            attention_mask=attention_mask.bool(),
-            ttt_steps=self.ttt_steps,
-            step_weight_decay=self.ttt_step_weight_decay,
-            gradient_checkpointing=self.ttt_gradient_checkpointing,
+        recorded = RecordedTaps(
+            Taps(
+                aux_hidden_states=torch.cat([taps[a] for a in self.aux_layer_ids], dim=-1),
+                embeddings=taps[EMBEDDING_TAP],
+                final_hidden=final_hidden,
+            ),
+            attention_mask=attention_mask,
+            # The draft learns to predict the tokens the policy generated.
+            loss_mask=torch.cat([torch.zeros_like(batch.prompt_mask), batch.loss_mask], dim=1),
         )
-        if torch.isfinite(out.loss):
-            (out.loss * scale).backward()
+        return recorded, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
+
+    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> TTTOutput:
+        recorded, teacher = self._draft_inputs(batch, attention_mask)
+        out, _ = DraftCoTrainer.ttt_micro_step(
+            self.draft, recorded, teacher_logits=teacher, settings=self.draft_settings, loss_scale=scale
+        )
         return out

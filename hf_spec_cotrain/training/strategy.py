@@ -47,6 +47,7 @@ def parallelize_policy(
     reference_model: nn.Module | None,
     draft: Eagle3DraftModel,
     aux_layer_ids,
+    draft_bf16: bool,
     shards_policy_itself: bool,
     accelerator,
     args,
@@ -85,6 +86,7 @@ def parallelize_policy(
             ttt_steps=args.ttt_steps,
             ttt_step_weight_decay=args.ttt_step_weight_decay,
             ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
+            draft_bf16=draft_bf16,
             device=accelerator.device,
         )
         # This stage's embeddings (none but on the first), not the uncut policy's, whose other modules the cut freed.
@@ -135,6 +137,7 @@ def build_parallel_strategy(
         reference_model=reference_model,
         draft=draft,
         aux_layer_ids=aux_layer_ids,
+        draft_bf16=draft_cotrainer.settings.bf16,
         shards_policy_itself=shards_policy_itself,
         accelerator=accelerator,
         args=args,

@@ -5,9 +5,10 @@ import torch
 
 from hf_spec_cotrain import Eagle3DraftModel
 from hf_spec_cotrain.draft import count_tokens
+from hf_spec_cotrain.losses import grpo_loss, grpo_per_token_logps
 from hf_spec_cotrain.taps import TapRecorder
 from hf_spec_cotrain.testing import build_tiny_target
-from hf_spec_cotrain.training.pipeline_step import GRPOBatch, grpo_loss, grpo_per_token_logps
+from hf_spec_cotrain.training.pipeline_step import GRPOBatch
 from hf_spec_cotrain.ttt import ttt_loss
 
 

@@ -12,6 +12,7 @@ the generating rank here, so both runs sample their first rollouts, from the sam
 
 from pathlib import Path
 
+import torch
 from cotrain_cases import equality_run_config, equality_trainer, fixed_completions, main, record_training
 
 from hf_spec_cotrain import SpecCoTrainGRPOTrainer
@@ -48,6 +49,8 @@ VARIANTS = {
     # 4 stages of 2 rows each (8 rows in all, as in one process), and an optimizer with a state (SGD's momentum: the
     # update stays linear in the gradients, comparable at float32 precision) for the memory check.
     "4stages": dict(optim_args="momentum=0.9"),
+    # The draft's micro-step under bf16 autocast (float32 policy), on the last stage as in one process.
+    "draft_bf16": dict(draft_bf16=True),
 }
 PIPELINE_STAGES = {"4stages": 4}
 
@@ -73,6 +76,19 @@ def run_config(out_dir: str, stages: int, **options):
     )
 
 
+def record_draft_training_dtypes(draft) -> set:
+    """The dtypes the draft's training forwards compute in (filled in while the trainer trains; rollouts, which run
+    the draft without gradient, are left out)."""
+    dtypes = set()
+
+    def record(module, args, output):
+        if torch.is_grad_enabled():
+            dtypes.add(output.dtype)
+
+    draft.midlayer.mlp.down_proj.register_forward_hook(record)
+    return dtypes
+
+
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type` or a
     name of `VARIANTS`."""
@@ -82,11 +98,13 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     config = run_config(out_dir, stages, **options)
     with recorded_checkpoint_reads() as tensors_read:
         trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
+    draft_dtypes = record_draft_training_dtypes(trainer.draft)
     record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))
     return {
         **record,
         "generated": trainer.generated,
         "held_bytes": held_bytes(trainer),
+        "draft_dtypes": draft_dtypes,
         "tensors_read": tensors_read,
         "attn_implementations": [
             model.config._attn_implementation for model in (trainer.model, trainer.ref_model) if model is not None

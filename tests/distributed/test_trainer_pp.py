@@ -102,7 +102,7 @@ def test_four_pipeline_stages_equal_the_single_process_and_each_holds_its_share(
 
 
 # bnpo equals dapo in these steps (one generation batch per step, no accumulation): its whole-batch normaliser is
-# tests/test_pipeline.py's, with accumulation.
+# tests/test_losses.py's, with accumulation.
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
 def test_pipeline_parallel_steps_equal_the_single_process_steps_for_each_loss_type(
     tmp_path, tiny_policy_dir, loss_type
@@ -132,6 +132,43 @@ def test_pipeline_parallel_steps_with_a_kl_term_equal_the_single_process_steps(t
         assert_same_tensors(record["policy_grads"], grads, "beta policy grad", relative_to_max=True)
         assert_same_tensors(record["policy_params"], params, "beta policy", relative_to_max=False)
         assert_same_step_logs(record, single, ["loss", "grad_norm"])
+
+
+# bf16 keeps 8 significant bits (steps of 2^-8, 0.4%): the last stage and the single process compute the draft's
+# forward alike (equal losses), but their bf16 matmuls' backward sums round a bf16 step apart on some entries
+# (measured: 0.5% of a gradient's largest entry, 0.2% of a parameter's). These widen the float32 tolerances of
+# `assert_same_tensors` to 2% of the largest gradient entry and 0.6% of the largest parameter entry; a lost or doubled
+# row would move gradients by about 1/8 and parameters by about the learning rate (10%).
+BF16_DRAFT_GRADS_LOOSEN, BF16_DRAFT_PARAMS_LOOSEN = 2000, 30
+
+
+def test_pipeline_parallel_steps_with_a_bf16_draft_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """`draft_bf16=True`: the last stage runs the draft's micro-step under bf16 autocast, as one process does (the
+    same `DraftCoTrainer.ttt_micro_step`), with the same draft gradients and updates (to bf16 precision) and metrics."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="draft_bf16")
+    assert_single_run_learned(pp, single)
+    assert pp[-1]["draft_dtypes"] == single["draft_dtypes"] == {torch.bfloat16}
+    assert not any(record["draft_grads"] for record in pp[:-1])
+    assert_same_tensors(
+        pp[-1]["draft_grads"],
+        single["draft_grads"],
+        "bf16 draft grad",
+        relative_to_max=True,
+        loosen=BF16_DRAFT_GRADS_LOOSEN,
+    )
+    assert_same_tensors(
+        pp[-1]["draft_params"],
+        single["draft_params"],
+        "bf16 draft",
+        relative_to_max=False,
+        loosen=BF16_DRAFT_PARAMS_LOOSEN,
+    )
+    for record in pp:  # the policy, in float32, is the single process's at float32 precision
+        names = set(record["policy_params"])
+        grads, params = only(single["policy_grads"], names), only(single["policy_params"], names)
+        assert_same_tensors(record["policy_grads"], grads, "policy grad", relative_to_max=True)
+        assert_same_tensors(record["policy_params"], params, "policy", relative_to_max=False)
+        assert_same_step_logs(record, single, [*DRAFT_METRICS, "loss", "grad_norm"])
 
 
 def test_pipeline_parallel_resume_equals_the_uninterrupted_run(tmp_path, tiny_policy_dir):

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from vllm_server_utils import API_KEY, ServerProcess
 from vllm_test_utils import hf_greedy
 
-from hf_spec_cotrain.generation.client import API_KEY_ENV, WeightsVersion
+from hf_spec_cotrain.generation.client import WeightsVersion
+from hf_spec_cotrain.generation.protocol import API_KEY_ENV
 from hf_spec_cotrain.testing import build_char_tokenizer, build_pass_through_draft
 
 

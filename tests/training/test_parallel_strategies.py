@@ -29,6 +29,8 @@ def hooks(calls: Calls, **overrides) -> TRLHooks:
 
 
 class Cotrainer:
+    settings = SimpleNamespace(bf16=False)
+
     def __init__(self, calls: Calls):
         self.calls = calls
 

@@ -1,4 +1,4 @@
-"""The draft's model card, rendered from ``model_cards/eagle3_draft.md``, and its push to the Hub.
+"""The draft's model card, rendered from ``model_cards/eagle3_draft.md`` (its upload: `hf_spec_cotrain.draft.upload`).
 
 One template serves both ways a draft is trained: co-trained during RL (`CoTrainingRecord`, written by the trainer) and
 warm-started offline (`WarmStartRecord`, written by `train_draft`). The metadata says what the Hub and serving tools
@@ -15,16 +15,16 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers.utils import logging
 
-from . import __version__
+from ..version import __version__
 
 
 if TYPE_CHECKING:
-    from .draft import Eagle3DraftModel
+    from .modeling import Eagle3DraftModel
 
 
 logger = logging.get_logger(__name__)
@@ -229,21 +229,3 @@ def _plain_steps(history: Sequence[tuple[int, float]]) -> int:
     """The steps none of whose rollout turns drafted (every entry NaN)."""
     drafted = {step for step, value in history if not math.isnan(value)}
     return len({step for step, _ in history} - drafted)
-
-
-def push_draft_folder(
-    folder: str | Path,
-    repo_id: str,
-    *,
-    token: str | bool | None = None,
-    private: bool | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-    commit_message: str = "Upload EAGLE-3 draft",
-):
-    """Upload a saved draft folder (checkpoint plus README.md) to ``repo_id``; returns the commit info."""
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    return api.upload_folder(
-        repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, create_pr=create_pr
-    )
