@@ -100,6 +100,14 @@ def completion_loss_mask(completion_mask: torch.Tensor, tool_mask: torch.Tensor 
     return completion_mask if tool_mask is None else completion_mask * tool_mask
 
 
+def draft_loss_mask(
+    prompt_mask: torch.Tensor, completion_mask: torch.Tensor, tool_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The draft's loss mask over ``[prompt, completion]`` rows: it learns to predict the tokens the policy generated
+    (the ones rollouts will draft), never the prompt's."""
+    return torch.cat([torch.zeros_like(prompt_mask), completion_loss_mask(completion_mask, tool_mask)], dim=1)
+
+
 def grpo_per_token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float = 1.0):
     """``log_softmax(logits / T)`` at the completion tokens, in float32 at least: TRL's policy log-probs.
 

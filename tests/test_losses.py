@@ -12,6 +12,7 @@ from hf_spec_cotrain.losses import (
     GRPO_LOSS_TYPES,
     check_grpo_loss_type,
     completion_loss_mask,
+    draft_loss_mask,
     grpo_loss,
     grpo_loss_normalizer,
     grpo_per_token_logps,
@@ -234,3 +235,11 @@ def test_completion_loss_mask_leaves_out_tool_results():
     tool_mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])  # the second token of row 0 came from a tool
     assert completion_loss_mask(completion_mask) is completion_mask
     assert completion_loss_mask(completion_mask, tool_mask).tolist() == [[1, 0, 1, 0], [1, 1, 0, 0]]
+
+
+def test_draft_loss_mask_covers_generated_tokens_only():
+    prompt_mask = torch.tensor([[0, 1], [1, 1]])  # left-padded prompts
+    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    tool_mask = torch.tensor([[1, 0, 1], [1, 1, 1]])
+    assert draft_loss_mask(prompt_mask, completion_mask).tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert draft_loss_mask(prompt_mask, completion_mask, tool_mask).tolist() == [[0, 0, 1, 0, 1], [0, 0, 1, 0, 0]]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from ..losses import completion_loss_mask
 from ..parallel.packed_rows import PackedRows, pack_rows, policy_log_probs
 from .data_parallel import OwnTrainingStep
 from .draft_cotraining import RecordedTaps
@@ -105,7 +106,7 @@ class ContextParallel(OwnTrainingStep):
             inputs["prompt_mask"],
             inputs["completion_ids"],
             completion_mask,
-            completion_loss_mask=completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask,
+            completion_loss_mask=completion_loss_mask(completion_mask, inputs.get("tool_mask")),
         )
 
     def pack_rows(self, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs) -> PackedRows:

@@ -18,6 +18,7 @@ from torch import nn
 from trl.models import unwrap_model_for_generation
 
 from ..generation.pipelined import PipelinedTarget
+from ..losses import draft_loss_mask
 from ..parallel.fsdp import gathered_for_generation
 from .draft_cotraining import DraftCoTrainer, RecordedTaps
 
@@ -74,11 +75,8 @@ class DataParallel:
     def record_taps(self, taps, inputs: dict) -> None:
         """The draft trains on the taps of the policy's GRPO forward over `inputs`: the tokens the policy generated
         (the ones rollouts will draft), on the rows `rows_to_train` draws."""
-        completion_mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            completion_mask = completion_mask * inputs["tool_mask"]
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        loss_mask = torch.cat([torch.zeros_like(inputs["prompt_mask"]), completion_mask], dim=1)
+        loss_mask = draft_loss_mask(inputs["prompt_mask"], inputs["completion_mask"], inputs.get("tool_mask"))
         cotrainer = self.draft_cotrainer
         rows = cotrainer.rows_to_train(len(loss_mask), step=self.trl.global_step())
         if rows is None:

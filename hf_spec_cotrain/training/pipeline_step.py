@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from ..losses import (
     check_grpo_loss_type,
     completion_loss_mask,
+    draft_loss_mask,
     grpo_loss,
     grpo_loss_normalizer,
     grpo_per_token_logps,
@@ -489,8 +490,7 @@ class PipelineCoTrainStep:
                 final_hidden=final_hidden,
             ),
             attention_mask=attention_mask,
-            # The draft learns to predict the tokens the policy generated.
-            loss_mask=torch.cat([torch.zeros_like(batch.prompt_mask), batch.loss_mask], dim=1),
+            loss_mask=draft_loss_mask(batch.prompt_mask, batch.completion_mask, batch.tool_mask),
         )
         return recorded, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
 
