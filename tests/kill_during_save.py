@@ -1,4 +1,4 @@
-"""A short co-training run that SIGKILLs itself inside one of the draft's checkpoint writes (tests/test_checkpoints.py).
+"""A short co-training run that SIGKILLs itself inside one of the draft's checkpoint writes (tests/training/test_checkpoints.py).
 
     python tests/kill_during_save.py POLICY_DIR OUTPUT_DIR {draft,draft_state}
 

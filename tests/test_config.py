@@ -2,8 +2,8 @@
 parallelism (CP) and pipeline parallelism (PP).
 
 Every check here runs when the config is built. Those that need the world size or the run (DeepSpeed, FSDP, PEFT,
-tools) are `ParallelDims.from_config`'s, in tests/test_parallel_dims.py; the trainer's own refusals under CP are in
-tests/test_packed_rows.py.
+tools) are `ParallelDims.from_config`'s, in tests/parallel/test_parallel_dims.py; the trainer's own refusals under CP are in
+tests/parallel/test_packed_rows.py.
 """
 
 import copy

@@ -58,3 +58,11 @@ def test_readme_links_every_file_in_docs():
     assert documents
     unlinked = [path.name for path in documents if path.resolve() not in linked]
     assert not unlinked, f"docs/ files missing from the README's index: {unlinked}"
+
+
+def test_every_test_file_the_docs_name_exists():
+    """Docs cite tests by path (`tests/generation/test_weight_transactions.py::...`): a moved test must take its citations."""
+    named = {path for document in DOCUMENTS for path in re.findall(r"tests/[\w/]+\.py", document.read_text("utf-8"))}
+    assert named
+    missing = sorted(path for path in named if not (ROOT / path).is_file())
+    assert not missing, f"docs name test files that do not exist: {missing}"

@@ -95,7 +95,7 @@ def test_auto_speculation_logs_its_choice_and_where_the_time_goes(policy_dir, tm
     for entry in logs:
         assert 0 <= entry["spec/num_speculative_tokens"] <= 4
         assert entry["spec/predicted_speedup"] > 0 and entry["spec/measured_speedup"] > 0
-        # A step whose rounds all decoded plainly (K = 0) logs no acceptance (tests/test_rollout_metrics.py).
+        # A step whose rounds all decoded plainly (K = 0) logs no acceptance (tests/training/test_rollout_metrics.py).
         assert ("spec/accepted_per_position_3" in entry) == ("spec/acceptance_length" in entry)
         parts = [entry[f"time/{part}"] for part in ("generation", "draft_training", "weight_sync", "policy_training")]
         assert all(seconds >= 0 for seconds in parts) and entry["time/weight_sync"] == 0  # HF-native: no engine
@@ -125,7 +125,7 @@ def test_auto_uses_trls_generation_where_plain_calls_are_faster(policy_dir, tmp_
     assert all(entry["time/generation"] > 0 for entry in logs)
     assert [model.prefers_plain(batch) for _ in range(12)] == [True] * 5 + [False] + [True] * 6
     # Steps that never drafted log no acceptance (rather than 1.0), a plain share of 1, and NaN in the history
-    # (tests/test_rollout_metrics.py).
+    # (tests/training/test_rollout_metrics.py).
     for entry in logs:
         assert "spec/acceptance_length" not in entry and "spec/accepted_per_position_0" not in entry
         assert entry["spec/plain_round_share"] == 1.0

@@ -1,4 +1,4 @@
-"""`hf-spec-cotrain vllm-serve` run as a subprocess for the tests that need a rollout server (tests/test_vllm_server.py,
+"""`hf-spec-cotrain vllm-serve` run as a subprocess for the tests that need a rollout server (tests/generation/test_vllm_server.py,
 tests/distributed/test_trainer_pp_vllm.py)."""
 
 import json

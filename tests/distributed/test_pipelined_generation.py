@@ -3,7 +3,7 @@
 
 Lossless as on one process: greedy decoding returns `generate`'s tokens of the uncut model, and with the same
 generator the sampled tokens and every counter equal those of `speculative_generate` on the uncut model (whose law
-tests/test_speculative.py checks), for speculative and plain (K = 0) decoding; the law itself is checked once more
+tests/generation/test_speculative.py checks), for speculative and plain (K = 0) decoding; the law itself is checked once more
 through the pipeline. Rows of different prompt lengths finish at different rounds (EOS) and random drafts are mostly
 rejected, so the stages' row selection and the compaction of holes are exercised.
 """

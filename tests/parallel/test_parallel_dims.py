@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from tiny_policy import tiny_grpo_kwargs
 
 from hf_spec_cotrain import SpecCoTrainConfig
 from hf_spec_cotrain.parallel import ParallelDims
@@ -75,8 +76,7 @@ def test_world_size_checks():
 
 
 def _config(tmp_path, **overrides):
-    options = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", "num_generations": 4}
-    return SpecCoTrainConfig(**options | {"per_device_train_batch_size": 4} | overrides)
+    return SpecCoTrainConfig(**tiny_grpo_kwargs(tmp_path, **overrides))
 
 
 def test_from_config_adds_the_run_time_facts(tmp_path):
@@ -160,7 +160,7 @@ def test_the_fsdp2_context_parallel_accelerate_config_reaches_the_config(tmp_pat
     import yaml
     from accelerate.utils.launch import prepare_extend_env_parallelism_config
 
-    folder = Path(__file__).resolve().parents[1] / "examples" / "accelerate_configs"
+    folder = Path(__file__).resolve().parents[2] / "examples" / "accelerate_configs"
     launch = yaml.safe_load((folder / "fsdp2_context_parallel.yaml").read_text())
     defaults = {f"parallelism_config_{name}_size": 1 for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
     args = argparse.Namespace(
@@ -239,12 +239,9 @@ def test_the_trainer_refuses_trls_moe_auxiliary_loss_at_start(tmp_path, monkeypa
     policy_dir = save_tiny_target(tmp_path / "policy", "qwen3_moe", num_layers=8, hidden_size=64, intermediate_size=64)
     monkeypatch.setattr(ParallelDims, "from_config", classmethod(lambda cls, config, **facts: CP))
     config = SpecCoTrainConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=2,
-        num_generations=2,
-        router_aux_loss_coef=coef,
+        **tiny_grpo_kwargs(
+            tmp_path / "out", per_device_train_batch_size=2, num_generations=2, router_aux_loss_coef=coef
+        )
     )
 
     def build():

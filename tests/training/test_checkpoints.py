@@ -19,7 +19,7 @@ from hf_spec_cotrain.training.checkpoints import (
 )
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPLETE = ("draft/model.safetensors", "draft/config.json", "draft/README.md", "draft_training_state.pt")
 
 

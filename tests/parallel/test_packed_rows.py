@@ -5,6 +5,7 @@ tests/distributed/test_trainer_cp.py."""
 
 import pytest
 import torch
+from tiny_policy import tiny_grpo_kwargs
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
@@ -222,12 +223,7 @@ def test_trainer_needs_a_world_size_divisible_by_the_context_parallel_size(tmp_p
     from datasets import Dataset
 
     config = SpecCoTrainConfig(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=2,
-        num_generations=2,
-        context_parallel_size=2,
+        **tiny_grpo_kwargs(tmp_path / "out", per_device_train_batch_size=2, num_generations=2, context_parallel_size=2)
     )
     with pytest.raises(ValueError, match=r"must divide the world size \(1 processes\)"):
         SpecCoTrainGRPOTrainer(

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from datasets import Dataset
+from tiny_policy import tiny_grpo_kwargs
 from vllm_test_utils import hf_greedy
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
@@ -16,26 +17,19 @@ PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"
 
 def _trainer(policy_dir, tmp_path, **overrides) -> SpecCoTrainGRPOTrainer:
     """A 2-step GRPO run on the tiny policy with colocated speculative vLLM rollouts (``overrides``: config fields)."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
+    settings = tiny_grpo_kwargs(
+        tmp_path / "out",
         max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
         seed=5,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=128,
+        **overrides,
     )
     return SpecCoTrainGRPOTrainer(
         model=str(policy_dir),
         reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
-        args=SpecCoTrainConfig(**{**settings, **overrides}),
+        args=SpecCoTrainConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=build_char_tokenizer(),
     )
