@@ -17,15 +17,8 @@ PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"
 
 def _trainer(policy_dir, tmp_path, **overrides) -> SpecCoTrainGRPOTrainer:
     """A 2-step GRPO run on the tiny policy with colocated speculative vLLM rollouts (``overrides``: config fields)."""
-    settings = tiny_grpo_kwargs(
-        tmp_path / "out",
-        max_steps=2,
-        seed=5,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=128,
-        **overrides,
-    )
+    colocated = dict(max_steps=2, seed=5, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128)
+    settings = tiny_grpo_kwargs(tmp_path / "out", **colocated | overrides)
     return SpecCoTrainGRPOTrainer(
         model=str(policy_dir),
         reward_funcs=lambda completions, **kw: [c.count("e") / 12 for c in completions],
