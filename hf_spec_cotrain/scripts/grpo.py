@@ -303,3 +303,6 @@ def close_engine(trainer) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+    # Left to the interpreter's teardown, gloo's worker threads can abort a finished multi-process run (SIGABRT).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from datasets import Dataset
 from torchrun_launch import run_torchrun
 from transformers import TrainerCallback
@@ -197,6 +198,9 @@ def main(run: Callable[[str, str, str], dict]) -> None:
     torch.set_num_threads(1)
     record = run(*sys.argv[1:4])
     torch.save(record, Path(sys.argv[2], f"{sys.argv[3]}{record['rank']}.pt"))
+    # Gloo's worker threads still hold finished work at exit; torn down with the interpreter they sometimes abort
+    # the process (SIGABRT, "terminate called without an active exception") after a run that passed.
+    dist.destroy_process_group()
 
 
 # --- The tests' side ---------------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ def main(mode: str, policy_dir: str, out_dir: str) -> None:
             }
         )
     )
+    trainer.accelerator.end_training()  # gloo's threads left to the interpreter's teardown can abort the process
 
 
 if __name__ == "__main__":
