@@ -109,34 +109,37 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
     rows, summary = result["rows"], result["summary"]
     console = capsys.readouterr()
     # the console gets the progress, the probes and the summary table, not the metric dicts of every step
-    assert "reward, mean over last half" in console.out and "[grpo] probe at step 2" in console.out
+    assert "reward, mean over last half" in console.out and "[grpo] eagle3 probe at step 2" in console.out
     assert "'draft/loss'" not in console.out + console.err and "\x1b[" not in console.out + console.err
     assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:
-        assert 0.0 <= row["reward_spec"] <= 1.0 and 0.0 <= row["reward_plain"] <= 1.0
-        assert row["tokens_per_s_spec"] > 0 and row["tokens_per_s_plain"] > 0
-        assert 0 <= row["num_speculative_tokens"] <= 5
-        assert 0 < row["generation_seconds_spec"] < row["step_seconds_spec"]
+        assert 0.0 <= row["reward_eagle3"] <= 1.0 and 0.0 <= row["reward_plain"] <= 1.0
+        assert row["tokens_per_s_eagle3"] > 0 and row["tokens_per_s_plain"] > 0
+        assert 0 <= row["num_speculative_tokens_eagle3"] <= 5
+        assert 0 < row["generation_seconds_eagle3"] < row["step_seconds_eagle3"]
         assert 0 < row["generation_seconds_plain"] < row["step_seconds_plain"]
     for row in (rows[0], rows[-1]):  # the probes: at the start and at the last step
-        assert row["acceptance_cotrained"] >= 1.0 and row["acceptance_frozen"] >= 1.0
-        assert row["kl_from_initial"] >= -1e-6 and 0.0 < row["distinct_4grams"] <= 1.0
-    assert rows[0]["kl_from_initial"] == pytest.approx(0.0, abs=1e-6)
+        assert row["acceptance_cotrained_eagle3"] >= 1.0 and row["acceptance_frozen_eagle3"] >= 1.0
+        assert row["kl_from_initial_eagle3"] >= -1e-6 and 0.0 < row["distinct_4grams_eagle3"] <= 1.0
+    assert rows[0]["kl_from_initial_eagle3"] == pytest.approx(0.0, abs=1e-6)
     # step 0: both drafts are the warm-start draft, same prompts, same seed
-    assert rows[0]["acceptance_cotrained"] == rows[0]["acceptance_frozen"]
-    assert summary["end_to_end_speedup"] > 0 and summary["rollout_speedup"] > 0
-    for run in ("spec", "plain"):
+    assert rows[0]["acceptance_cotrained_eagle3"] == rows[0]["acceptance_frozen_eagle3"]
+    spec = summary["eagle3"]
+    assert spec["end_to_end_speedup"] > 0 and spec["rollout_speedup"] > 0
+    for run in ("eagle3", "plain"):
         shares = [summary[run][f"share_{part}"] for part in report.TIME_PARTS]
         assert sum(shares) == pytest.approx(1.0) and all(share >= 0 for share in shares)
-    assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
-    assert 0 <= summary["reward_block_p_value"] <= 1 and 0 <= summary["probe_rollout_p_value"] <= 1
-    assert 0 <= summary["probe_rollout_reward"]["spec"] <= 1
+    assert summary["plain"]["share_draft_training"] == 0 < spec["share_draft_training"]
+    assert 0 <= spec["reward_block_p_value"] <= 1 and 0 <= spec["probe_rollout_p_value"] <= 1
+    assert 0 <= spec["probe_rollout_reward"]["spec"] <= 1
     run = tmp_path / "run"
     with open(run / "results.csv") as handle:
         table = list(csv.DictReader(handle))
     assert [int(r["step"]) for r in table] == [0, 1, 2]
-    assert math.isclose(float(table[-1]["acceptance_frozen"]), rows[-1]["acceptance_frozen"], rel_tol=1e-6)
-    assert json.loads((run / "summary.json").read_text())["end_to_end_speedup"] == summary["end_to_end_speedup"]
+    assert math.isclose(
+        float(table[-1]["acceptance_frozen_eagle3"]), rows[-1]["acceptance_frozen_eagle3"], rel_tol=1e-6
+    )
+    assert json.loads((run / "summary.json").read_text())["eagle3"]["end_to_end_speedup"] == spec["end_to_end_speedup"]
     assert (run / "results.png").stat().st_size > 10_000
     draft = run / "draft"
     assert json.loads((draft / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -154,8 +157,8 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
     assert json.loads((run / "policy" / "config.json").read_text())["num_hidden_layers"] == 12
     assert (run / "policy" / "model.safetensors").exists() and (run / "policy" / "tokenizer.json").exists()
     histories = json.loads((run / "log_history.json").read_text())
-    assert [entry["step"] for entry in histories["spec"] if "reward" in entry] == [1, 2]
-    assert any("draft/loss" in entry for entry in histories["spec"])
+    assert [entry["step"] for entry in histories["eagle3"] if "reward" in entry] == [1, 2]
+    assert any("draft/loss" in entry for entry in histories["eagle3"])
     assert [entry["step"] for entry in histories["plain"] if "reward" in entry] == [1, 2]
     # the second run reuses the cached policy and draft
     cached = json.loads((tmp_path / "cache" / "embedded" / "manifest.json").read_text())
@@ -189,14 +192,15 @@ def test_example_compares_vllm_rollouts_with_and_without_a_draft(tmp_path, vllm_
     rows, summary = result["rows"], result["summary"]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
-        assert row["tokens_per_s_spec"] > 0 and row["tokens_per_s_plain"] > 0
+        assert row["tokens_per_s_eagle3"] > 0 and row["tokens_per_s_plain"] > 0
         # acceptance over the calls that drafted; a step whose calls the cost model decoded plainly has none
-        assert math.isnan(row["acceptance_rollouts"]) == (row["plain_round_share"] == 1.0)
-        assert math.isnan(row["acceptance_rollouts"]) or row["acceptance_rollouts"] >= 1.0
-    for run in ("spec", "plain"):
+        acceptance = row["acceptance_rollouts_eagle3"]
+        assert math.isnan(acceptance) == (row["plain_round_share_eagle3"] == 1.0)
+        assert math.isnan(acceptance) or acceptance >= 1.0
+    for run in ("eagle3", "plain"):
         assert 0 < summary[run]["share_weight_sync"] < 1  # both engines get the policy every step
-    assert summary["plain"]["share_draft_training"] == 0 < summary["spec"]["share_draft_training"]
-    assert not math.isnan(summary["end_to_end_speedup"])
+    assert summary["plain"]["share_draft_training"] == 0 < summary["eagle3"]["share_draft_training"]
+    assert not math.isnan(summary["eagle3"]["end_to_end_speedup"])
 
 
 def test_notebook_executes(tmp_path):

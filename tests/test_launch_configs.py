@@ -179,7 +179,7 @@ def test_shipped_config_launches_the_main_job(name, embedded_cache, tmp_path):
         assert (run / output).is_file(), output
     assert list((run / "policy").glob("*.safetensors"))
     histories = json.loads((run / "log_history.json").read_text())
-    for trained in ("spec", "plain"):
+    for trained in ("eagle3", "plain"):
         assert [entry["step"] for entry in histories[trained] if "reward" in entry] == [1, 2], trained
 
 

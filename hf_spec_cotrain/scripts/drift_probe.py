@@ -90,7 +90,7 @@ class DriftProbe(TrainerCallback):
             self.rollout_rewards.append((self._rewards(sequences), self._rewards(self._plain_sample(policy, step))))
         self.rows.append(row)
         self.log(
-            f"[grpo] probe at step {step}: acceptance co-trained {row['acceptance_cotrained']:.2f} / frozen "
+            f"probe at step {step}: acceptance co-trained {row['acceptance_cotrained']:.2f} / frozen "
             f"{row['acceptance_frozen']:.2f}, KL from initial {row['kl_from_initial']:.3f}"
         )
 

@@ -34,7 +34,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,7 +50,7 @@ from .baselines import TimedGRPOTrainer, VLLMBaselineGRPOTrainer
 from .drift_probe import DriftProbe
 from .letters_task import COMPLETION_LENGTH, SEED_LENGTH, embedded_assets, letters
 from .progress import JobProgress
-from .report import report
+from .report import PLAIN, report
 from .turns import train_in_turns
 
 
@@ -106,6 +105,8 @@ def load_reward(name: str):
 # HF-native run's results.
 OUTPUT_ROOT = "outputs/grpo"
 _VARIANT_OUTPUT_DIR = f"{OUTPUT_ROOT}/<variant>"
+
+SPEC_RUN = "eagle3"  # the speculative run, named by its drafter family
 
 EMBEDDED_DEFAULTS = dict(
     per_device_train_batch_size=8,
@@ -193,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
             seed=config.seed,
         )
         model, tokenizer = str(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
-        if config.draft_model_name_or_path is None:
-            config.draft_model_name_or_path = str(draft_dir)
+        warm_starts = {SPEC_RUN: config.draft_model_name_or_path or str(draft_dir)}
         probe_prompts = dataset["prompt"][-script.probe_prompts :] if script.probe_prompts else []
     else:
         if script.dataset_name is None:
@@ -203,89 +203,101 @@ def main(argv: list[str] | None = None) -> dict:
             )
         model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
         dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
+        warm_starts = {SPEC_RUN: config.draft_model_name_or_path}
         probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
     reward_funcs = [load_reward(name) for name in script.reward_funcs]
 
-    trainer = SpecCoTrainGRPOTrainer(
-        model=model, reward_funcs=reward_funcs, args=config, train_dataset=dataset, processing_class=tokenizer
-    )
-    runs = {"spec": trainer.args.max_steps}
-    if script.baseline:
-        runs["plain"] = trainer.args.max_steps
-    progress = JobProgress(runs)
-    progress.attach(trainer, "spec")
-    # The probe generates on the main process alone, with the whole policy.
-    if probe_prompts and (trainer.parallel_dims.pp_enabled or trainer.parallel_dims.fsdp or trainer.is_fsdp_enabled):
-        progress.write(
-            "[grpo] pipeline parallelism or FSDP: the acceptance probe is off (no process holds the whole policy)."
+    def build(trainer_class, run_config):
+        return trainer_class(
+            model=model, reward_funcs=reward_funcs, args=run_config, train_dataset=dataset, processing_class=tokenizer
         )
-        probe_prompts = []
-    probe = None
-    if probe_prompts:
-        embedded_reward = reward_funcs[0] if script.model_name_or_path is None else None
-        probe = DriftProbe(
-            trainer,
-            probe_prompts,
-            config.max_draft_tokens,
-            script.probe_interval,
-            reward_func=embedded_reward,
-            log=progress.write,
+
+    def spec_config(run: str) -> SpecCoTrainConfig:
+        run_config = copy.deepcopy(config)
+        run_config.draft_model_name_or_path = warm_starts[run]
+        if len(warm_starts) > 1:
+            run_config.output_dir = str(output_dir / run)
+        return run_config
+
+    baseline_config = copy.deepcopy(config)
+    baseline_config.output_dir = str(output_dir / "baseline")
+    # With vLLM the baseline is the same engine without a draft; TRL must not build an engine of its own.
+    baseline_class = VLLMBaselineGRPOTrainer if config.use_vllm else TimedGRPOTrainer
+    baseline_config.use_vllm = False
+    names = [*warm_starts, *([PLAIN] if script.baseline else [])]
+    progress = JobProgress(dict.fromkeys(names, config.max_steps))
+    trainers, probes = {}, {}
+
+    def start(run: str):
+        trainer = (
+            build(baseline_class, baseline_config) if run == PLAIN else build(SpecCoTrainGRPOTrainer, spec_config(run))
         )
-        trainer.add_callback(probe)
-    baseline = None
-    if script.baseline:
-        baseline_config = copy.deepcopy(config)
-        baseline_config.output_dir = str(output_dir / "baseline")
-        # With vLLM the baseline is the same engine without a draft; TRL must not build an engine of its own.
-        baseline_class = VLLMBaselineGRPOTrainer if config.use_vllm else TimedGRPOTrainer
-        baseline_config.use_vllm = False
-        make_baseline = partial(
-            baseline_class,
-            model=model,
-            reward_funcs=reward_funcs,
-            args=baseline_config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
-    if script.baseline and not config.use_vllm:
+        progress.attach(trainer, run)
+        if run != PLAIN and probe_prompts and not whole_policy_here(trainer):
+            progress.write(
+                "[grpo] pipeline parallelism or FSDP: the acceptance probe is off (no process holds the whole policy)."
+            )
+        elif run != PLAIN and probe_prompts:
+            probes[run] = DriftProbe(
+                trainer,
+                probe_prompts,
+                config.max_draft_tokens,
+                script.probe_interval,
+                reward_func=reward_funcs[0] if script.model_name_or_path is None else None,
+                log=lambda line, run=run: progress.write(f"[grpo] {run} {line}"),
+            )
+            trainer.add_callback(probes[run])
+        trainers[run] = trainer
+        return trainer
+
+    if config.use_vllm:  # one after the other: two vLLM engines must not share the machine
+        seconds = {}
+        for run in names:
+            seconds[run] = timed_train(start(run))
+            close_engine(trainers[run])
+    else:
         # Step by step, in turns: each speculative step runs next to a plain one, so a machine whose speed drifts
-        # during the run slows both alike and the ratio stays honest.
-        baseline = make_baseline()
-        progress.attach(baseline, "plain")
-        seconds = train_in_turns({"spec": trainer, "plain": baseline})
-    else:  # one after the other: two vLLM engines must not share the machine
-        seconds = {"spec": timed_train(trainer)}
-        close_engine(trainer)
-        if script.baseline:
-            baseline = make_baseline()
-            progress.attach(baseline, "plain")
-            seconds["plain"] = timed_train(baseline)
-            close_engine(baseline)
+        # during the run slows every run alike and the ratios stay honest.
+        seconds = train_in_turns({run: start(run) for run in names})
     progress.close()
-    # The co-trained draft pairs with the policy it was trained with: save that policy beside it, and say so in the
-    # draft's card (`train` wrote the draft before the policy had a folder).
-    trainer.save_model(str(output_dir / "policy"))
-    if config.save_draft and trainer.writes_draft():
-        trainer.save_draft(output_dir / "draft", final_policy=str(output_dir / "policy"))
-    runs = {"spec": (trainer.state.log_history, seconds["spec"] - (probe.seconds if probe else 0.0))}
-    if baseline is not None:
-        runs["plain"] = (baseline.state.log_history, seconds["plain"])
-    if not trainer.accelerator.is_main_process:
+    for run in warm_starts:
+        save_final(trainers[run], config)
+    runs = {
+        run: (trainer.state.log_history, seconds[run] - (probes[run].seconds if run in probes else 0.0))
+        for run, trainer in trainers.items()
+    }
+    if not trainers[names[0]].accelerator.is_main_process:
         return {}
     (output_dir / "log_history.json").write_text(json.dumps({run: history for run, (history, _) in runs.items()}))
     summary = report(
         runs,
-        probe.rows if probe else [],
+        {run: probe.rows for run, probe in probes.items()},
         output_dir,
-        probe.rollout_rewards if probe else [],
+        {run: probe.rollout_rewards for run, probe in probes.items()},
         baseline="plain vLLM" if config.use_vllm else "plain TRL",
     )
+    folder = "" if len(warm_starts) == 1 else "<drafter>/"
     print(
-        f"[grpo] done in {time.perf_counter() - started:.0f} s. In {output_dir}: the final policy (policy/) and the "
-        "co-trained draft that pairs with it, with its model card (draft/); summary.json, results.csv (every step), "
-        "log_history.json (every logged metric), results.png"
+        f"[grpo] done in {time.perf_counter() - started:.0f} s. In {output_dir}: the final policy ({folder}policy/) and "
+        f"the co-trained draft that pairs with it, with its model card ({folder}draft/); summary.json, results.csv "
+        "(every step), log_history.json (every logged metric), results.png"
     )
     return summary
+
+
+def whole_policy_here(trainer: SpecCoTrainGRPOTrainer) -> bool:
+    """Whether this process holds the whole policy, as the probes (run on the main process alone) need."""
+    dims = trainer.parallel_dims
+    return not (dims.pp_enabled or dims.fsdp or trainer.is_fsdp_enabled)
+
+
+def save_final(trainer: SpecCoTrainGRPOTrainer, config: SpecCoTrainConfig) -> None:
+    """The co-trained draft pairs with the policy it was trained with: save that policy beside it, and say so in the
+    draft's card (`train` wrote the draft before the policy had a folder)."""
+    run_dir = Path(trainer.args.output_dir)
+    trainer.save_model(str(run_dir / "policy"))
+    if config.save_draft and trainer.writes_draft():
+        trainer.save_draft(run_dir / "draft", final_policy=str(run_dir / "policy"))
 
 
 def timed_train(trainer) -> float:
