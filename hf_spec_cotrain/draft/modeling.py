@@ -28,12 +28,13 @@ from transformers.utils import CONFIG_NAME, ModelOutput, logging
 
 from ..taps import validate_aux_layer_ids
 from ..validation import check_int
-from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
+from .base import DraftLossOutput, DraftModel, DraftTrainingBatch, config_field
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
 from .eagle3_ttt import Eagle3TrainingOptions, ttt_loss
 from .eagle3_vllm import DraftNames
 from .speculators_format import (
     CHECKPOINT_FORMATS,
+    SPECULATORS_ARCHITECTURE,
     SPECULATORS_KEY_MAPPING,
     eagle3_tensor_name,
     speculators_config_from_eagle3,
@@ -210,8 +211,16 @@ class Eagle3DraftModel(DraftModel):
 
     @classmethod
     def from_target_options(cls, args: Any) -> dict[str, Any]:
-        """`from_target`'s options from a `SpecCoTrainConfig` (its ``draft_*`` fields)."""
-        return {"num_layers": args.draft_num_layers, "aux_layer_ids": args.aux_layer_ids}
+        """The draft's depth and taps: ``draft_num_layers`` (`SpecCoTrainConfig`) or ``num_layers``
+        (`DraftTrainingConfig`), and ``aux_layer_ids``."""
+        return {
+            "num_layers": config_field(args, "draft_num_layers", "num_layers"),
+            "aux_layer_ids": args.aux_layer_ids,
+        }
+
+    @classmethod
+    def checkpoint_architectures(cls) -> tuple[str, ...]:
+        return (cls.checkpoint_architecture, SPECULATORS_ARCHITECTURE)  # and a speculators checkpoint
 
     @classmethod
     def _checkpoint_key_mapping(cls) -> dict[str, str]:
@@ -305,9 +314,9 @@ class Eagle3DraftModel(DraftModel):
     def training_options(cls, args: Any) -> Eagle3TrainingOptions:
         """The TTT's K and step weights: ``ttt_steps`` and ``ttt_step_weight_decay`` of a `SpecCoTrainConfig`,
         ``ttt_steps`` and ``step_weight_decay`` of a `DraftTrainingConfig`."""
-        decay = getattr(args, "ttt_step_weight_decay", None)
         return Eagle3TrainingOptions(
-            ttt_steps=args.ttt_steps, step_weight_decay=args.step_weight_decay if decay is None else decay
+            ttt_steps=args.ttt_steps,
+            step_weight_decay=config_field(args, "ttt_step_weight_decay", "step_weight_decay"),
         )
 
     def training_loss(
