@@ -26,10 +26,12 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import CONFIG_NAME, ModelOutput, logging
 
+from ..attention.decoding import causal_slot_mask
 from ..taps import validate_aux_layer_ids
 from ..validation import check_int
 from .base import DraftLossOutput, DraftModel, DraftTrainingBatch, config_field
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
+from .eagle3_proposer import Eagle3Proposer
 from .eagle3_ttt import Eagle3TrainingOptions, ttt_loss
 from .eagle3_vllm import DraftNames
 from .speculators_format import (
@@ -344,6 +346,10 @@ class Eagle3DraftModel(DraftModel):
             gradient_checkpointing=gradient_checkpointing,
         )
 
+    def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> Eagle3Proposer:
+        """Chain drafting over the draft's own KV cache (`Eagle3Proposer`)."""
+        return Eagle3Proposer(self, embed)
+
     @classmethod
     def vllm_speculative_config(cls, model: str, num_speculative_tokens: int) -> dict[str, Any]:
         return {"method": cls.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens}
@@ -430,22 +436,3 @@ class Eagle3DraftModel(DraftModel):
         return Eagle3DraftOutput(
             logits=self.compute_logits(hidden_states), hidden_states=hidden_states, past_key_values=past_key_values
         )
-
-
-def causal_slot_mask(slot_mask: torch.Tensor, length: int, *, window: int | None = None) -> torch.Tensor:
-    """``[B, 1, L, slots]`` bool: the queries of the last ``L`` slots see the slots up to their own that hold real
-    tokens (``slot_mask``, ``[B, slots]`` bool; slot order is time order, so a hole or padding is simply False).
-
-    A ``window`` of ``W`` also hides keys ``W`` or more *real* tokens behind the query (HF's sliding window,
-    ``key_position > query_position - W``): a row's real tokens sit at consecutive positions, so counting kept slots
-    measures the distance and holes never count. A query always sees its own slot, so a padding query gets a finite
-    (ignored) output rather than NaN.
-    """
-    slots = slot_mask.shape[1]
-    key_slot = torch.arange(slots, device=slot_mask.device)
-    query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
-    visible = (key_slot <= query_slot) & slot_mask[:, None, :]
-    if window is not None:
-        real_tokens = slot_mask.long().cumsum(1)  # a real slot's position + 1
-        visible &= real_tokens[:, None, :] > real_tokens[:, -length:, None] - window
-    return (visible | (key_slot == query_slot))[:, None]
