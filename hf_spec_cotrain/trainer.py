@@ -1,9 +1,10 @@
-"""`SpecCoTrainGRPOTrainer`: TRL's GRPO step with an EAGLE-3 draft co-trained online on the policy's own taps.
+"""`SpecCoTrainGRPOTrainer`: TRL's GRPO step with a draft (EAGLE-3 by default: `drafter`) co-trained online on the
+policy's own taps.
 
 The trainer holds three components, each built once in ``__init__``, and wires them into TRL's hooks; each hook it
 overrides is one call into one of them:
 
-* `DraftCoTrainer` (``draft_cotrainer``): the draft's TTT on the taps that ``_compute_loss`` records from the
+* `DraftCoTrainer` (``draft_cotrainer``): the draft's objective on the taps that ``_compute_loss`` records from the
   policy's *own* training forward (hooks, no extra forward pass), run after the policy's backward; the draft's
   optimizer step right after the policy's (`DraftUpdateCallback`); the ``draft/*`` metrics; its checkpoint state.
 * the parallel strategy (``parallel``, `build_parallel_strategy` from the run's `ParallelDims`, after
@@ -79,7 +80,7 @@ def _broadcast_module(module: torch.nn.Module, *, src: int) -> None:
 
 class SpecCoTrainGRPOTrainer(GRPOTrainer):
     r"""
-    [`~trl.GRPOTrainer`] that co-trains an EAGLE-3 draft head every step and rolls out with it.
+    [`~trl.GRPOTrainer`] that co-trains a draft (of the ``args.drafter`` family) every step and rolls out with it.
 
     Args:
         model, reward_funcs, args, ...: as for [`~trl.GRPOTrainer`]; ``args`` is a [`SpecCoTrainConfig`].
@@ -157,7 +158,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self.draft = self._build_draft(draft_model)
         self._tag_names = [*self._tag_names, self.draft.drafter_name]
         self._policy().add_model_tags([self.draft.drafter_name])
-        self.aux_layer_ids = self.draft.validate_target(self._policy().config)
+        self.aux_layer_ids = self.draft.tap_layer_ids(self._policy().config.get_text_config().num_hidden_layers)
         self.step_times = StepTimes(self._metrics)
         self.draft_cotrainer = DraftCoTrainer(
             self.draft,
@@ -541,6 +542,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             hyperparameters=self._card_hyperparameters(),
             num_speculative_tokens=self.args.max_draft_tokens,
             license_fields=self._starting_policy_license,
+            num_target_layers=self._policy().config.get_text_config().num_hidden_layers,
         )
 
         def write(temporary: Path) -> None:
@@ -588,14 +590,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             ),
             "Rollout temperature, engine": f"{args.temperature:g}, {'vLLM' if args.use_vllm else 'HF-native'}",
             "Draft learning rate (warm-up steps)": f"{args.draft_learning_rate:g} ({args.draft_warmup_steps})",
-            "Training-time-test steps": f"{args.ttt_steps} (step weights {args.ttt_step_weight_decay:g}^d)",
+            **self.draft.describe_options(self.draft_cotrainer.settings.options),
             "Drafted tokens per round (K)": drafted,
             "Share of rollouts the draft trains on (`draft_train_fraction`)": f"{args.draft_train_fraction:g}",
         }
 
     def _draft_repo_id(self) -> str:
         base = self.args.hub_model_id or Path(self.args.output_dir).name
-        return self.args.draft_hub_model_id or f"{base}-eagle3"
+        return self.args.draft_hub_model_id or f"{base}-{self.draft.drafter_name}"
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         checkpoint = resume_from_checkpoint

@@ -228,19 +228,19 @@ def test_resume_from_checkpoint_gives_identical_policy_and_draft(policy_dir, tmp
 
 
 def test_draft_train_fraction_trains_on_seeded_rows_of_each_micro_batch(policy_dir, tmp_path, monkeypatch):
-    """With ``draft_train_fraction=0.5`` every TTT call sees 2 of the micro-batch's 4 rows, exactly the taps the
-    full run records for those rows; the choice changes between micro-batches and the policy is unaffected."""
-    import hf_spec_cotrain.training.draft_cotraining as cotraining_module
-
+    """With ``draft_train_fraction=0.5`` every draft-loss call sees 2 of the micro-batch's 4 rows, exactly the taps
+    the full run records for those rows; the choice changes between micro-batches and the policy is unaffected."""
     calls = {"full": [], "half": []}
     run = {"name": None}
-    real_ttt_loss = cotraining_module.ttt_loss
+    real_training_loss = Eagle3DraftModel.training_loss
 
-    def recording_ttt_loss(draft, **kwargs):
-        calls[run["name"]].append({k: kwargs[k].clone() for k in ("aux_hidden_states", "input_embeds", "loss_mask")})
-        return real_ttt_loss(draft, **kwargs)
+    def recording_training_loss(draft, batch, options, **kwargs):
+        calls[run["name"]].append(
+            {k: getattr(batch, k).clone() for k in ("aux_hidden_states", "input_embeds", "loss_mask")}
+        )
+        return real_training_loss(draft, batch, options, **kwargs)
 
-    monkeypatch.setattr(cotraining_module, "ttt_loss", recording_ttt_loss)
+    monkeypatch.setattr(Eagle3DraftModel, "training_loss", recording_training_loss)
     chosen_rows, trainers = [], {}
     for name, fraction in (("full", 1.0), ("half", 0.5)):
         run["name"] = name

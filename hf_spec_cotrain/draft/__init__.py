@@ -9,6 +9,7 @@ from .families import (
     DRAFTER_FAMILIES,
     check_draft_family,
     checkpoint_drafter,
+    checkpoint_family,
     drafter_family,
     load_draft,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "SampleFn",
     "check_draft_family",
     "checkpoint_drafter",
+    "checkpoint_family",
     "count_tokens",
     "drafter_family",
     "load_draft",

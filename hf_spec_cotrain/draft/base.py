@@ -7,6 +7,7 @@ methods only, so a new family is a new module plus one registry entry.
 """
 
 import abc
+import dataclasses
 import json
 import os
 import tempfile
@@ -131,6 +132,7 @@ class DraftModel(PreTrainedModel):
     vllm_method: ClassVar[str]
     checkpoint_architecture: ClassVar[str]
     display_name: ClassVar[str]  # the family in messages ("EAGLE-3")
+    card_template: ClassVar[str]  # its model card's template in the repository's model_cards/ (`draft.card`)
     # The draft's names in vLLM for the per-step weight sync (`to_vllm`, `to_checkpoint`, `relayout`,
     # `unknown_problems`: `hf_spec_cotrain.generation.vllm_layout.WeightNames`).
     vllm_weight_names: ClassVar[Any]
@@ -384,8 +386,9 @@ class DraftModel(PreTrainedModel):
 
     @classmethod
     @abc.abstractmethod
-    def training_options(cls, args: Any) -> Any:
-        """The family's objective settings (a frozen dataclass) from a `SpecCoTrainConfig` or `DraftTrainingConfig`."""
+    def training_options(cls, args: Any | None) -> Any:
+        """The family's objective settings (a frozen dataclass) from a `SpecCoTrainConfig` or `DraftTrainingConfig`;
+        its defaults for None."""
 
     @abc.abstractmethod
     def training_loss(
@@ -402,6 +405,16 @@ class DraftModel(PreTrainedModel):
         the single-device loss and the metrics are global. ``generator``: the family's own randomness (DFlash's
         anchors), reproducible from the trainer's seed."""
 
+    @abc.abstractmethod
+    def loss_positions(self, options: Any) -> int:
+        """K, the length of `training_loss`'s per-position metrics under ``options`` (the ``draft/*_step_{d}``
+        metrics, and the held-out agreement of a warm start)."""
+
+    @classmethod
+    def describe_options(cls, options: Any) -> dict[str, str]:
+        """The objective's settings as the model card's training table shows them (label: value)."""
+        return {field.name: str(getattr(options, field.name)) for field in dataclasses.fields(options)}
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
@@ -411,6 +424,11 @@ class DraftModel(PreTrainedModel):
     def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposer:
         """HF-native drafting state for one generate call; ``embed`` maps token ids to the target's embeddings
         (through the pipeline's first stage under pipeline parallelism)."""
+
+    def vllm_bootstrap_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights a vLLM engine starts from, which its first sync then replaces: this draft's own, unless the
+        family must start the engine differently for every weight to be syncable."""
+        return self.state_dict()
 
     @classmethod
     @abc.abstractmethod

@@ -15,6 +15,7 @@ __all__ = [
     "DRAFTER_FAMILIES",
     "check_draft_family",
     "checkpoint_drafter",
+    "checkpoint_family",
     "drafter_family",
     "load_draft",
 ]
@@ -47,6 +48,19 @@ def checkpoint_drafter(name_or_path, **hub_kwargs) -> str | None:
         if set(architectures) & set(family.checkpoint_architectures()):
             return name
     return None
+
+
+def checkpoint_family(name_or_path) -> type[DraftModel]:
+    """The family of a saved draft, which vLLM is to serve (`checkpoint_drafter`); a ValueError when none of the
+    registered families wrote it."""
+    drafter = checkpoint_drafter(name_or_path)
+    if drafter is None:
+        raise ValueError(
+            f"{name_or_path} is no draft checkpoint of a known family: its config.json names none of the "
+            f"architectures {[a for family in DRAFTER_FAMILIES.values() for a in family.checkpoint_architectures()]}. "
+            "Save the draft with `save_pretrained` (or `hf-spec-cotrain train-draft`)."
+        )
+    return DRAFTER_FAMILIES[drafter]
 
 
 def load_draft(name_or_path, drafter: str, **kwargs) -> DraftModel:

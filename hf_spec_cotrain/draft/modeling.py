@@ -140,6 +140,7 @@ class Eagle3DraftModel(DraftModel):
     vllm_method = "eagle3"
     checkpoint_architecture = EAGLE3_ARCHITECTURE
     display_name = "EAGLE-3"
+    card_template = "eagle3_draft.md"
     vllm_weight_names = DraftNames()
     config_class = Eagle3DraftConfig
     config: Eagle3DraftConfig
@@ -292,7 +293,7 @@ class Eagle3DraftModel(DraftModel):
                     f"{target_field}={target_value}; they must be equal."
                 )
         try:
-            return self.resolved_aux_layer_ids(tcfg.num_hidden_layers)
+            return self.tap_layer_ids(tcfg.num_hidden_layers)
         except ValueError as err:
             raise ValueError(f"This draft does not fit the target: {err}") from None
 
@@ -313,9 +314,11 @@ class Eagle3DraftModel(DraftModel):
         return self.resolved_aux_layer_ids(num_target_layers)
 
     @classmethod
-    def training_options(cls, args: Any) -> Eagle3TrainingOptions:
+    def training_options(cls, args: Any | None) -> Eagle3TrainingOptions:
         """The TTT's K and step weights: ``ttt_steps`` and ``ttt_step_weight_decay`` of a `SpecCoTrainConfig`,
         ``ttt_steps`` and ``step_weight_decay`` of a `DraftTrainingConfig`."""
+        if args is None:
+            return Eagle3TrainingOptions()
         return Eagle3TrainingOptions(
             ttt_steps=args.ttt_steps,
             step_weight_decay=config_field(args, "ttt_step_weight_decay", "step_weight_decay"),
@@ -349,6 +352,19 @@ class Eagle3DraftModel(DraftModel):
     def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> Eagle3Proposer:
         """Chain drafting over the draft's own KV cache (`Eagle3Proposer`)."""
         return Eagle3Proposer(self, embed)
+
+    def loss_positions(self, options: Eagle3TrainingOptions) -> int:
+        return options.ttt_steps
+
+    @classmethod
+    def describe_options(cls, options: Eagle3TrainingOptions) -> dict[str, str]:
+        return {"Training-time-test steps": f"{options.ttt_steps} (step weights {options.step_weight_decay:g}^d)"}
+
+    def vllm_bootstrap_state_dict(self) -> dict[str, torch.Tensor]:
+        """The lm_head negated: vLLM shares the target's lm_head with a draft whose lm_head equals it when the engine
+        starts (a full-vocabulary draft fresh from `from_target`), and the draft's own head could then never be
+        synced."""
+        return {**self.state_dict(), "lm_head.weight": -self.lm_head.weight.detach()}
 
     @classmethod
     def vllm_speculative_config(cls, model: str, num_speculative_tokens: int) -> dict[str, Any]:

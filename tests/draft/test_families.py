@@ -1,5 +1,6 @@
 """The registry of drafter families: names, checkpoints recognised by family, and drafts of another family refused."""
 
+import inspect
 import json
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from hf_spec_cotrain.draft import (
     DEFAULT_DRAFTER,
     DRAFTER_FAMILIES,
+    DraftModel,
     Eagle3DraftModel,
     check_draft_family,
     checkpoint_drafter,
@@ -37,6 +39,26 @@ def test_every_family_is_registered_under_its_own_name():
     assert DEFAULT_DRAFTER in DRAFTER_FAMILIES
     for name, family in DRAFTER_FAMILIES.items():
         assert family.drafter_name == name and drafter_family(name) is family
+
+
+@pytest.mark.parametrize("family", DRAFTER_FAMILIES.values(), ids=list(DRAFTER_FAMILIES))
+def test_every_family_implements_the_whole_interface(family):
+    """`DraftModel` is no `abc.ABC` (transformers' models are not), so nothing else refuses a family that forgets a
+    method or a class attribute."""
+    abstract = [
+        name
+        for name in dir(DraftModel)
+        if getattr(inspect.getattr_static(DraftModel, name), "__isabstractmethod__", False)
+        or getattr(getattr(inspect.getattr_static(DraftModel, name), "__func__", None), "__isabstractmethod__", False)
+    ]
+    assert {"from_target", "training_loss", "new_proposer", "vllm_speculative_config"} <= set(abstract)
+    for name in abstract:
+        implementation = inspect.getattr_static(family, name)
+        implementation = getattr(implementation, "__func__", implementation)
+        assert not getattr(implementation, "__isabstractmethod__", False), name
+    for name in ("drafter_name", "vllm_method", "checkpoint_architecture", "display_name", "card_template"):
+        assert isinstance(getattr(family, name), str), name
+    assert all(hasattr(family.vllm_weight_names, method) for method in ("to_vllm", "to_checkpoint", "relayout"))
 
 
 def test_an_unknown_family_is_refused_with_the_registered_ones():
