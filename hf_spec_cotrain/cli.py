@@ -43,7 +43,7 @@ def train_draft_parser():
 
     from .warmstart import DraftTrainingConfig
 
-    description = "Warm-start an EAGLE-3 draft for a target on a dataset (taps computed on the fly)."
+    description = "Warm-start a draft of the `--drafter` family for a target on a dataset (taps computed on the fly)."
     return TrlParser(
         (TrainDraftScriptArguments, DraftTrainingConfig), prog="hf-spec-cotrain train-draft", description=description
     )
@@ -109,15 +109,18 @@ class ExportDraftScriptArguments:
 def export_draft_parser():
     from trl import TrlParser
 
-    description = "Convert a saved EAGLE-3 draft between vLLM's EAGLE-3 layout and the speculators format."
+    description = (
+        "Convert a saved draft between its vLLM layout and the speculators format (EAGLE-3 drafts: the format "
+        "speculators has)."
+    )
     return TrlParser((ExportDraftScriptArguments,), prog="hf-spec-cotrain export-draft", description=description)
 
 
 def export_draft_main(argv: list[str]) -> None:
-    from .draft import Eagle3DraftModel
+    from .draft import DEFAULT_DRAFTER, checkpoint_drafter, load_draft
 
     (args,) = export_draft_parser().parse_args_and_config(argv)
-    draft = Eagle3DraftModel.from_pretrained(args.source)
+    draft = load_draft(args.source, checkpoint_drafter(args.source) or DEFAULT_DRAFTER)
     draft.save_pretrained(
         args.destination,
         format=args.format,
@@ -129,11 +132,11 @@ def export_draft_main(argv: list[str]) -> None:
 
 @dataclass
 class VLLMServeScriptArguments:
-    r"""The policy, its EAGLE-3 draft and the listening address, for ``hf-spec-cotrain vllm-serve``."""
+    r"""The policy, its draft and the listening address, for ``hf-spec-cotrain vllm-serve``."""
 
     model: str = field(metadata={"help": "Policy: a local folder or a Hub id that vLLM can load."})
     draft: str | None = field(
-        default=None, metadata={"help": "Folder of the EAGLE-3 draft checkpoint; without it, no speculation."}
+        default=None, metadata={"help": "Folder of a saved draft (any family); without it, no speculation."}
     )
     num_speculative_tokens: int = field(default=3, metadata={"help": "Tokens the draft proposes per step."})
     draft_sample_method: str | None = field(
@@ -204,7 +207,7 @@ def vllm_serve_parser():
     from .generation import VLLM_INSTALL_HINT
 
     description = (
-        "Serve speculative rollouts of a policy and its EAGLE-3 draft, with transactional weight updates. Needs vLLM: "
+        "Serve speculative rollouts of a policy and its draft, with transactional weight updates. Needs vLLM: "
         f"{VLLM_INSTALL_HINT}."
     )
     return TrlParser((VLLMServeScriptArguments,), prog="hf-spec-cotrain vllm-serve", description=description)
@@ -345,9 +348,9 @@ COMMANDS = {
         grpo_main,
         "Run GRPO with a co-trained draft against plain GRPO (the main job; launches with accelerate).",
     ),
-    "train-draft": (train_draft_main, "Warm-start an EAGLE-3 draft for a target on a dataset."),
+    "train-draft": (train_draft_main, "Warm-start a draft (`--drafter`) for a target on a dataset."),
     "export-draft": (export_draft_main, "Convert a draft between vLLM's EAGLE-3 layout and the speculators format."),
-    "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + EAGLE-3 draft) with weight updates."),
+    "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + draft) with weight updates."),
 }
 
 

@@ -291,16 +291,18 @@ def save_tiny_target(folder: str | Path, family: str = "llama", **kwargs) -> Pat
     return folder
 
 
-def build_pass_through_draft(target: PreTrainedModel, *, seed: int, noise: float, **draft_kwargs):
-    """An EAGLE-3 draft of `target` (`Eagle3DraftModel.from_target(target, **draft_kwargs)`) whose `fc` passes the last
-    tap through, plus seeded noise of scale `noise`.
+def build_pass_through_draft(
+    target: PreTrainedModel, *, seed: int, noise: float, drafter: str | None = None, **draft_kwargs
+):
+    """A draft of `target` (the ``drafter`` family's `from_target(target, **draft_kwargs)`, EAGLE-3 by default) whose
+    `fc` passes the last tap through, plus seeded noise of scale `noise`.
 
     It guesses from the target's residual stream before its last layer: a weak but real draft whose
     acceptance depends on `noise`, so two seeds or noise levels give measurably different drafts.
     """
-    from .draft import Eagle3DraftModel
+    from .draft import DEFAULT_DRAFTER, drafter_family
 
-    draft = Eagle3DraftModel.from_target(target, **draft_kwargs)
+    draft = drafter_family(drafter or DEFAULT_DRAFTER).from_target(target, **draft_kwargs)
     generator = torch.Generator().manual_seed(seed)
     hidden = target.config.hidden_size
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """Offline warm start: train a draft for a frozen target on a text or chat dataset before RL begins.
 
 The target's hidden states are computed on the fly by hooks on its own forward (no feature files), so a
-warm start needs nothing but the target, its tokenizer and a `datasets.Dataset`. The draft trains with the
-co-trainer's own micro-step and optimizer (`DraftCoTrainer.ttt_micro_step`, `build_draft_optimizer`).
+warm start needs nothing but the target, its tokenizer and a `datasets.Dataset`. The draft (any family:
+``drafter``) trains with the co-trainer's own micro-step and optimizer (`DraftCoTrainer.draft_micro_step`,
+`build_draft_optimizer`).
 """
 
 import math
@@ -10,27 +11,42 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType
 
-from .draft import Eagle3DraftModel, count_tokens
+from .draft import (
+    DEFAULT_DRAFTER,
+    DRAFTER_FAMILIES,
+    DraftLossOutput,
+    DraftModel,
+    check_draft_family,
+    count_tokens,
+    drafter_family,
+)
 from .draft.card import WarmStartRecord, model_license, render_draft_card
+from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .taps import TapRecorder
-from .training.draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps, build_draft_optimizer
-from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput
+from .training.draft_cotraining import (
+    DraftCoTrainer,
+    DraftStepSettings,
+    RecordedTaps,
+    build_draft_optimizer,
+    seeded_generator,
+)
 from .validation import check_int
 
 
 @dataclass
 class DraftTrainingConfig:
     r"""
-    Configuration of [`train_draft`], the offline warm start of an EAGLE-3 draft.
+    Configuration of [`train_draft`], the offline warm start of a draft.
 
     Parameters that control the draft:
-        num_layers, aux_layer_ids, draft_vocab_size
+        drafter, num_layers, aux_layer_ids, draft_vocab_size
     Parameters that control the objective:
         ttt_steps, step_weight_decay, max_length
     Parameters that control optimisation:
@@ -48,6 +64,9 @@ class DraftTrainingConfig:
         metadata={
             "help": "Hub repository the draft will be pushed to: its model card names it (default: the folder)."
         },
+    )
+    drafter: str = field(
+        default=DEFAULT_DRAFTER, metadata={"help": "The drafter family.", "choices": list(DRAFTER_FAMILIES)}
     )
     num_layers: int = field(default=1, metadata={"help": "Decoder layers of a new draft."})
     aux_layer_ids: list[int] | None = field(
@@ -87,6 +106,7 @@ class DraftTrainingConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the split, the shuffling and the draft's init."})
 
     def __post_init__(self):
+        drafter_family(self.drafter)
         for name in ("num_layers", "ttt_steps", "batch_size", "eval_steps", "logging_steps"):
             check_int(getattr(self, name), name)
         if self.max_length < 2:
@@ -126,7 +146,7 @@ class DraftTrainingConfig:
 
 @dataclass
 class DraftTrainingResult:
-    draft: Eagle3DraftModel
+    draft: DraftModel
     history: list[dict] = field(default_factory=list)  # one dict per evaluation
     steps: int = 0
     train_seconds: float = 0.0
@@ -180,7 +200,7 @@ def _batches(sequences: list[list[int]], batch_size: int, pad_id: int, generator
         yield pad_rows([sequences[int(i)] for i in order[start : start + batch_size]], pad_id)
 
 
-def draft_tap_recorder(target: PreTrainedModel, draft: Eagle3DraftModel) -> TapRecorder:
+def draft_tap_recorder(target: PreTrainedModel, draft: DraftModel) -> TapRecorder:
     """The recorder `draft_loss_on_batch` reads: the draft's taps, the embeddings and the final hidden state."""
     aux_ids = draft.validate_target(target.config)
     return TapRecorder(target, aux_ids, record_embeddings=True, record_final_hidden=True)
@@ -188,7 +208,7 @@ def draft_tap_recorder(target: PreTrainedModel, draft: Eagle3DraftModel) -> TapR
 
 def draft_inputs_of_batch(
     target: PreTrainedModel,
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     recorder: TapRecorder,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -213,49 +233,51 @@ def draft_inputs_of_batch(
 
 def draft_loss_on_batch(
     target: PreTrainedModel,
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     recorder: TapRecorder,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
-    ttt_steps: int,
-    step_weight_decay: float,
+    options: Any,
     bf16: bool = False,
-) -> TTTOutput:
-    """The draft's TTT loss on the batch (`draft_inputs_of_batch`), without a backward.
+    generator: torch.Generator | None = None,
+) -> DraftLossOutput:
+    """The draft's training loss (its family's objective under ``options``, `DraftModel.training_options`) on the
+    batch (`draft_inputs_of_batch`), without a backward.
 
-    ``bf16``: the target's forward and the draft's TTT under bf16 autocast; the teacher is computed in float32.
+    ``bf16``: the target's forward and the draft's objective under bf16 autocast; the teacher is computed in float32.
+    ``generator``: the objective's random stream.
     """
     recorded, teacher_logits = draft_inputs_of_batch(target, draft, recorder, input_ids, attention_mask, bf16=bf16)
-    settings = DraftStepSettings(ttt_steps=ttt_steps, step_weight_decay=step_weight_decay, bf16=bf16)
-    return DraftCoTrainer.ttt_forward(draft, recorded, teacher_logits=teacher_logits, settings=settings)
+    settings = DraftStepSettings(options=options, bf16=bf16)
+    return DraftCoTrainer.draft_forward(
+        draft, recorded, teacher_logits=teacher_logits, settings=settings, generator=generator
+    )
 
 
 def evaluate_draft(
     target: PreTrainedModel,
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     sequences: list[list[int]],
     *,
     batch_size: int,
     pad_id: int,
-    ttt_steps: int,
-    step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY,
+    options: Any,
+    seed: int = 0,
 ) -> dict[str, float]:
-    """Held-out per-step loss and top-1 agreement with the target (count-weighted over all batches)."""
-    sums = torch.zeros(3, ttt_steps, dtype=torch.float64)  # loss*count, accuracy*count, count
+    """Held-out loss and top-1 agreement with the target per drafted position (count-weighted over all batches),
+    under the objective ``options``; its random draws (if the family makes any) come from ``seed``, the same at
+    every evaluation."""
+    num_positions = draft.loss_positions(options)
+    sums = torch.zeros(3, num_positions, dtype=torch.float64)  # loss*count, accuracy*count, count
     was_training = draft.training
     draft.eval()
+    generator = seeded_generator(seed, device=target.get_input_embeddings().weight.device)
     with draft_tap_recorder(target, draft) as recorder:
         for input_ids, attention_mask in _batches(sequences, batch_size, pad_id, generator=None):
             with torch.no_grad():
                 out = draft_loss_on_batch(
-                    target,
-                    draft,
-                    recorder,
-                    input_ids,
-                    attention_mask,
-                    ttt_steps=ttt_steps,
-                    step_weight_decay=step_weight_decay,
+                    target, draft, recorder, input_ids, attention_mask, options=options, generator=generator
                 )
             counts = out.step_counts.double().cpu()
             sums += torch.stack(
@@ -264,7 +286,7 @@ def evaluate_draft(
     draft.train(was_training)
     counts = sums[2].clamp(min=1)
     metrics = {}
-    for step in range(ttt_steps):
+    for step in range(num_positions):
         metrics[f"loss_step_{step}"] = float(sums[0, step] / counts[step])
         metrics[f"accuracy_step_{step}"] = float(sums[1, step] / counts[step])
     return metrics
@@ -276,7 +298,7 @@ def train_draft(
     dataset: Dataset,
     config: DraftTrainingConfig | None = None,
     *,
-    draft: Eagle3DraftModel | None = None,
+    draft: DraftModel | None = None,
     text_column: str = "text",
     messages_column: str = "messages",
     progress: bool = True,
@@ -303,15 +325,16 @@ def train_draft(
     eval_set = [sequences[i] for i in order[:num_eval]]
     train_set = [sequences[i] for i in order[num_eval:]]
 
+    family = drafter_family(config.drafter)
     if draft is None:
         counts = count_tokens(train_set, target.config.get_text_config().vocab_size)
-        draft = Eagle3DraftModel.from_target(
+        draft = family.from_target(
             target,
-            num_layers=config.num_layers,
-            aux_layer_ids=config.aux_layer_ids,
+            **family.from_target_options(config),
             draft_vocab_size=config.draft_vocab_size,
             token_counts=counts,
         )
+    check_draft_family(draft, config.drafter)
     draft.bind_target(target)
     draft.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -326,16 +349,10 @@ def train_draft(
         warmup_steps=config.warmup_steps,
         total_steps=total_steps,
     )
-    settings = DraftStepSettings(
-        ttt_steps=config.ttt_steps, step_weight_decay=config.step_weight_decay, bf16=config.bf16
-    )
+    settings = DraftStepSettings(options=draft.training_options(config), bf16=config.bf16)
+    generator = seeded_generator(config.seed, device=target.get_input_embeddings().weight.device)
     result = DraftTrainingResult(draft=draft)
-    eval_kwargs = dict(
-        batch_size=config.batch_size,
-        pad_id=pad_id,
-        ttt_steps=config.ttt_steps,
-        step_weight_decay=config.step_weight_decay,
-    )
+    eval_kwargs = dict(batch_size=config.batch_size, pad_id=pad_id, options=settings.options, seed=config.seed)
 
     def evaluate(step):
         if eval_set:
@@ -353,7 +370,9 @@ def train_draft(
             recorded, teacher_logits = draft_inputs_of_batch(
                 target, draft, recorder, input_ids, attention_mask, bf16=config.bf16
             )
-            out, _ = DraftCoTrainer.ttt_micro_step(draft, recorded, teacher_logits=teacher_logits, settings=settings)
+            out, _ = DraftCoTrainer.draft_micro_step(
+                draft, recorded, teacher_logits=teacher_logits, settings=settings, generator=generator
+            )
             if config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), config.max_grad_norm)
             optimizer.step()
@@ -389,15 +408,19 @@ def train_draft(
 def _draft_card(
     target: PreTrainedModel, config: DraftTrainingConfig, result: DraftTrainingResult, dataset_name: str | None
 ) -> str:
-    """The warm-started draft's model card: its target, training settings and held-out agreement per TTT step."""
+    """The warm-started draft's model card: its target, training settings and held-out agreement per drafted
+    position."""
     target_name = target.config._name_or_path  # "" for a target built in memory
     final = result.history[-1] if result.history else {}
+    options = result.draft.training_options(config)
     return render_draft_card(
         result.draft,
         target_model=target_name,
         repo_id=config.hub_model_id or Path(config.output_dir).resolve().name,
         training=WarmStartRecord(
-            held_out_accuracy=[final[f"accuracy_step_{step}"] for step in range(config.ttt_steps)] if final else [],
+            held_out_accuracy=[final[f"accuracy_step_{d}"] for d in range(result.draft.loss_positions(options))]
+            if final
+            else [],
             dataset=dataset_name,
         ),
         hyperparameters={
@@ -406,9 +429,10 @@ def _draft_card(
                 f"{config.learning_rate:g} ({config.warmup_steps}, {config.lr_scheduler_type})"
             ),
             "Batch size x max length": f"{config.batch_size} x {config.max_length} tokens",
-            "Training-time-test steps": f"{config.ttt_steps} (step weights {config.step_weight_decay:g}^d)",
+            **result.draft.describe_options(options),
         },
         license_fields=model_license(target_name),
+        num_target_layers=target.config.get_text_config().num_hidden_layers,
     )
 
 

@@ -392,7 +392,7 @@ def draft_step_seconds(
 ) -> float:
     """Compute-clock seconds of one draft training step (target forward, TTT forward and backward), measured on a
     throwaway draft after one warm-up step."""
-    from hf_spec_cotrain.draft import Eagle3DraftModel, count_tokens
+    from hf_spec_cotrain.draft import Eagle3DraftModel, Eagle3TrainingOptions, count_tokens
     from hf_spec_cotrain.warmstart import draft_loss_on_batch, draft_tap_recorder, pad_rows
 
     draft = Eagle3DraftModel.from_target(
@@ -413,8 +413,7 @@ def draft_step_seconds(
                 recorder,
                 input_ids,
                 attention_mask,
-                ttt_steps=config.ttt_steps,
-                step_weight_decay=0.8,
+                options=Eagle3TrainingOptions(ttt_steps=config.ttt_steps, step_weight_decay=0.8),
                 bf16=config.bf16,
             )
             out.loss.backward()
@@ -477,7 +476,7 @@ def build_draft(
             eval_ids,
             batch_size=config.batch_size,
             pad_id=tokenizer.pad_token_id,
-            ttt_steps=config.ttt_steps,
+            options=result.draft.training_options(training),
         )
         results.update({f"held_out_{split}_{key}": value for key, value in metrics.items()})
     return results

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from hf_spec_cotrain.draft import card
+from hf_spec_cotrain.draft import DRAFTER_FAMILIES
 
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
@@ -63,11 +63,12 @@ def test_model_cards_ship_inside_the_package(setuptools_config):
 
     patterns = setuptools_config["package-data"]["hf_spec_cotrain.model_cards"]
     templates = sorted(path.name for path in (ROOT / "model_cards").iterdir() if path.suffix == ".md")
-    assert card.CARD_TEMPLATE in templates
+    family_templates = [family.card_template for family in DRAFTER_FAMILIES.values()]
+    assert set(family_templates) <= set(templates)
     not_shipped = [name for name in templates if not any(fnmatch.fnmatch(name, pattern) for pattern in patterns)]
     assert not not_shipped, f"templates not in [tool.setuptools.package-data]: {not_shipped}"
     # the installed package finds the template the draft card is rendered from
-    assert resources.files("hf_spec_cotrain.model_cards").joinpath(card.CARD_TEMPLATE).is_file()
+    assert all(resources.files("hf_spec_cotrain.model_cards").joinpath(name).is_file() for name in family_templates)
 
     assert "py.typed" in setuptools_config["package-data"]["hf_spec_cotrain"]
     assert (PACKAGE / "py.typed").is_file()
@@ -144,7 +145,8 @@ def test_the_wheel_and_the_sdist_ship_the_license_and_the_package(tmp_path):
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in wheel_files)
     for name in ("hf_spec_cotrain/scripts/grpo.py", "hf_spec_cotrain/accelerate_configs/cpu_ddp.yaml"):
         assert name in wheel_files
-    assert f"hf_spec_cotrain/model_cards/{card.CARD_TEMPLATE}" in wheel_files
+    for family in DRAFTER_FAMILIES.values():
+        assert f"hf_spec_cotrain/model_cards/{family.card_template}" in wheel_files
     assert not [name for name in wheel_files if name.startswith("tests/")]
     metadata = zipfile.ZipFile(wheel).read(next(n for n in wheel_files if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata

@@ -13,7 +13,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from hf_spec_cotrain import cli
-from hf_spec_cotrain.draft import Eagle3DraftModel, count_tokens, select_draft_vocab
+from hf_spec_cotrain.draft import Eagle3DraftModel, Eagle3TrainingOptions, count_tokens, select_draft_vocab
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
 from hf_spec_cotrain.warmstart import DraftTrainingConfig, evaluate_draft, tokenize_for_draft, train_draft
 
@@ -70,7 +70,14 @@ def trained(target, tokenizer, tmp_path_factory):
 
 
 def _evaluate(target, draft, sequences, tokenizer):
-    return evaluate_draft(target, draft, sequences, batch_size=4, pad_id=tokenizer.pad_token_id, ttt_steps=3)
+    return evaluate_draft(
+        target,
+        draft,
+        sequences,
+        batch_size=4,
+        pad_id=tokenizer.pad_token_id,
+        options=Eagle3TrainingOptions(ttt_steps=3),
+    )
 
 
 def test_training_lowers_held_out_loss_and_raises_agreement(target, tokenizer, held_out, trained):

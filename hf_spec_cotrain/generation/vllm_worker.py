@@ -130,7 +130,7 @@ def load_policy_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None
 
 
 def load_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """The layerwise-reload steps vLLM's weight-transfer engines run for a draft, on EAGLE-3 checkpoint tensors."""
+    """The layerwise-reload steps vLLM's weight-transfer engines run for a draft, on its checkpoint tensors."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 

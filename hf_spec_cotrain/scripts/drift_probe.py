@@ -9,7 +9,7 @@ import torch
 from transformers import TrainerCallback
 from trl.trainer.utils import pad
 
-from ..draft import Eagle3DraftModel
+from ..draft import DraftModel
 from ..generation.speculative import speculative_generate
 
 
@@ -139,8 +139,8 @@ class DriftProbe(TrainerCallback):
         }
 
 
-def _copy_draft(draft: Eagle3DraftModel) -> Eagle3DraftModel:
-    frozen = Eagle3DraftModel(draft.config).to(draft.fc.weight.device)
+def _copy_draft(draft: DraftModel) -> DraftModel:
+    frozen = type(draft)(draft.config).to(draft.device)
     frozen.load_state_dict(draft.state_dict())
     frozen.__dict__["_target_embedding"] = draft.target_embedding  # same (policy's) embedding, as vLLM shares it
     return frozen.eval().requires_grad_(False)

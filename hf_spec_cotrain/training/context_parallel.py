@@ -42,7 +42,8 @@ class ContextParallel(OwnTrainingStep):
 
     The group takes its members' micro-batches one after the other: for each, every rank runs the policy's GRPO
     forward and backward on its zigzag shard of the packed rows (ring attention in the policy's layers,
-    `policy_log_probs`), then the draft's TTT on the taps of that forward (`ttt_loss(..., cp_group=...)`). A rank
+    `policy_log_probs`), then the draft's objective on the taps of that forward (`DraftModel.training_loss(...,
+    cp_group=...)`, each rank's loss its share of the single-device one). A rank
     thus holds ``1 / context_parallel_size`` of one micro-batch's activations at a time. Each rank's policy and draft
     gradients are its positions' share of every member's loss, so the average over the world (DDP's, or FSDP2's
     reduce-scatter over every rank, for the policy; `DraftCoTrainer.update` for the replicated draft) equals data

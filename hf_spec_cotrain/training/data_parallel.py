@@ -3,8 +3,8 @@
 A strategy owns what differs between the parallelisms: the training step, scoring log-probs, the gradient norm and
 its clipping, saving and loading the policy's checkpoint shards, and the policy that HF-native generation runs on. It
 gets its collaborators explicitly (the accelerator, the draft's co-trainer, the trainer's TRL behaviour as callables,
-`TRLHooks`), never the trainer; data parallelism runs TRL's own behaviour throughout and adds the draft's TTT after
-the policy's backward.
+`TRLHooks`), never the trainer; data parallelism runs TRL's own behaviour throughout and adds the draft's objective
+(`DraftModel.training_loss`) after the policy's backward.
 """
 
 import time
@@ -50,8 +50,8 @@ class TRLHooks:
 
 
 class DataParallel:
-    """Every rank holds the whole policy (DDP, accelerate's FSDP or DeepSpeed): TRL's step, then the draft's TTT on
-    the taps of the policy's forward."""
+    """Every rank holds the whole policy (DDP, accelerate's FSDP or DeepSpeed): TRL's step, then the draft's objective
+    on the taps of the policy's forward."""
 
     def __init__(
         self,

@@ -1,15 +1,15 @@
 """`DraftCoTrainer`: the draft's half of a co-training step.
 
-The trainer hands it the taps of each policy forward; it runs the draft's TTT on them (its own autocast, its own
-gradients), steps the draft's optimizer after the policy's (gradients averaged over the replicas, clipped, the step
-skipped when anything is non-finite), logs the ``draft/*`` metrics and holds the draft's checkpoint state. Nothing
+The trainer hands it the taps of each policy forward; it runs the draft's training objective on them (its family's
+`DraftModel.training_loss`; its own autocast, its own gradients), steps the draft's optimizer after the policy's
+(gradients averaged over the replicas, clipped, the step skipped when anything is non-finite), logs the ``draft/*`` metrics and holds the draft's checkpoint state. Nothing
 here touches the policy: no gradient crosses from the draft to the policy or back.
 
-Its TTT micro-step (`DraftCoTrainer.ttt_micro_step`, with `DraftStepSettings`) is the draft's only one: the pipeline's
+Its micro-step (`DraftCoTrainer.draft_micro_step`, with `DraftStepSettings`) is the draft's only one: the pipeline's
 last stage and the offline warm start run it too, and `build_draft_optimizer` builds the warm start's optimizer as it
 builds the co-trainer's.
 
-The draft heals: the last draft that passed `Eagle3DraftModel.validate_weights` after an update (weights and optimizer
+The draft heals: the last draft that passed `DraftModel.validate_weights` after an update (weights and optimizer
 state, in host memory: one copy of each) is restored whenever the draft fails it, at the start of every step (before
 rollouts use it or an engine receives it) and after every update. Restores that keep failing stop speculation for the
 rest of the run, loudly, rather than failing every step.
@@ -18,6 +18,7 @@ rest of the run, loudly, rather than failing every step.
 import copy
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,9 @@ from accelerate.utils import gather
 from transformers import TrainerCallback, get_scheduler
 from transformers.utils import logging
 
-from ..draft import Eagle3DraftModel
+from ..draft import DraftLossOutput, DraftModel, DraftTrainingBatch
 from ..parallel.comm import all_reduce_gradients
 from ..taps import Taps
-from ..ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
 from .timing import StepTimes
 
 
@@ -45,7 +45,7 @@ def seeded_generator(*key: int, device=None) -> torch.Generator:
 
 
 def build_draft_optimizer(
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     *,
     learning_rate: float,
     weight_decay: float,
@@ -63,12 +63,11 @@ def build_draft_optimizer(
 
 @dataclass(frozen=True)
 class DraftStepSettings:
-    """How the draft's TTT micro-step runs: ``ttt_steps`` unrolled steps weighted ``step_weight_decay**d``,
-    optionally recomputed in the backward (``gradient_checkpointing``), under bf16 autocast when ``bf16`` (the
-    draft's weights stay float32)."""
+    """How the draft's micro-step runs: the family's objective settings (``options``, from
+    `DraftModel.training_options`), optionally recomputed in the backward (``gradient_checkpointing``), under bf16
+    autocast when ``bf16`` (the draft's weights stay float32)."""
 
-    ttt_steps: int = 3
-    step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY
+    options: Any
     gradient_checkpointing: bool = False
     bf16: bool = False
 
@@ -88,7 +87,7 @@ class RecordedTaps:
 
 
 class DraftCoTrainer:
-    """The draft's optimizer, scheduler, TTT micro-steps, update and metrics.
+    """The draft's optimizer, scheduler, micro-steps, update and metrics.
 
     Args:
         draft: the draft, on the training device in float32 (master weights of a small head).
@@ -102,7 +101,7 @@ class DraftCoTrainer:
     """
 
     def __init__(
-        self, draft: Eagle3DraftModel, args, accelerator, *, output_weight, metrics, owner_rank=None, step_times=None
+        self, draft: DraftModel, args, accelerator, *, output_weight, metrics, owner_rank=None, step_times=None
     ):
         self.draft, self.args, self.accelerator = draft, args, accelerator
         self.step_times = step_times or StepTimes(metrics)
@@ -119,11 +118,14 @@ class DraftCoTrainer:
         # policy's forward). Under an fp16 policy the draft stays float32 unless asked: fp16 would need a loss scaler.
         draft_bf16 = accelerator.mixed_precision == "bf16" if args.draft_bf16 is None else args.draft_bf16
         self.settings = DraftStepSettings(
-            ttt_steps=args.ttt_steps,
-            step_weight_decay=args.ttt_step_weight_decay,
+            options=draft.training_options(args),
             gradient_checkpointing=args.ttt_gradient_checkpointing,
             bf16=draft_bf16,
         )
+        self.num_positions = draft.loss_positions(self.settings.options)
+        # The objective's own randomness (a family's sampled positions), one stream for the run: the same on every
+        # rank (a context-parallel group draws alike), checkpointed so that a resumed run draws what this one would.
+        self.generator = seeded_generator(args.seed, device=accelerator.device)
         self.skipped_steps = 0
         self.restored_steps = 0
         self.speculating = True  # False once the draft kept failing: rollouts are plain for the rest of the run
@@ -134,7 +136,7 @@ class DraftCoTrainer:
         self._micro_metrics: list[torch.Tensor] = []
         self._has_nonfinite = False
 
-    # ------------------------------------------------------------------ the TTT micro-steps
+    # ------------------------------------------------------------------ the micro-steps
 
     def rows_to_train(self, batch_size: int, *, step: int) -> torch.Tensor | None:
         """The rows of this micro-batch the draft trains on (``draft_train_fraction``; None: all), drawn from (seed,
@@ -152,7 +154,7 @@ class DraftCoTrainer:
         self._recorded.append(recorded)
 
     def train_recorded(self, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None) -> None:
-        """The draft's TTT on every recorded forward, in order."""
+        """The draft's micro-step on every recorded forward, in order."""
         with self.step_times.measure("draft_training"):
             while self._recorded:
                 self.micro_step(self._recorded.pop(0), loss_divisor=loss_divisor, cp_group=cp_group)
@@ -164,75 +166,80 @@ class DraftCoTrainer:
     def micro_step(
         self, recorded: RecordedTaps, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None
     ) -> None:
-        """`ttt_micro_step` on one forward's taps (its loss divided by ``loss_divisor``: the micro-steps the draft's
+        """`draft_micro_step` on one forward's taps (its loss divided by ``loss_divisor``: the micro-steps the draft's
         gradients accumulate over), its metrics kept for the next `update`."""
-        out, total_loss = self.ttt_micro_step(
+        out, total_loss = self.draft_micro_step(
             self.draft,
             recorded,
             teacher_logits=self.teacher_logits(recorded.taps.final_hidden),
             settings=self.settings,
             loss_scale=1.0 / loss_divisor,
             cp_group=cp_group,
+            generator=self.generator,
         )
         self.record_metrics(out, total_loss)
 
     @staticmethod
-    def ttt_forward(
-        draft: Eagle3DraftModel,
+    def draft_forward(
+        draft: DraftModel,
         recorded: RecordedTaps,
         *,
         teacher_logits: torch.Tensor,
         settings: DraftStepSettings,
         cp_group: dist.ProcessGroup | None = None,
-    ) -> TTTOutput:
-        """The draft's TTT loss on one forward's taps, under the settings' autocast (``cp_group``: that of packed
-        documents' shards); no backward: evaluation runs this alone."""
+        generator: torch.Generator | None = None,
+    ) -> DraftLossOutput:
+        """The draft's training loss on one forward's taps (`DraftModel.training_loss`), under the settings'
+        autocast (``cp_group``: that of packed documents' shards); no backward: evaluation runs this alone."""
+        batch = DraftTrainingBatch(
+            aux_hidden_states=recorded.taps.aux_hidden_states,
+            input_embeds=recorded.taps.embeddings,
+            teacher_logits=teacher_logits,
+            loss_mask=recorded.loss_mask.bool(),
+            attention_mask=None if recorded.attention_mask is None else recorded.attention_mask.bool(),
+            cu_seqlens=recorded.cu_seqlens,
+        )
         with settings.autocast(recorded.taps.aux_hidden_states.device.type):
-            return ttt_loss(
-                draft,
-                aux_hidden_states=recorded.taps.aux_hidden_states,
-                input_embeds=recorded.taps.embeddings,
-                teacher_logits=teacher_logits,
-                loss_mask=recorded.loss_mask.bool(),
-                attention_mask=None if recorded.attention_mask is None else recorded.attention_mask.bool(),
-                cu_seqlens=recorded.cu_seqlens,
-                ttt_steps=settings.ttt_steps,
-                step_weight_decay=settings.step_weight_decay,
+            return draft.training_loss(
+                batch,
+                settings.options,
                 cp_group=cp_group,
+                generator=generator,
                 gradient_checkpointing=settings.gradient_checkpointing,
             )
 
     @staticmethod
-    def ttt_micro_step(
-        draft: Eagle3DraftModel,
+    def draft_micro_step(
+        draft: DraftModel,
         recorded: RecordedTaps,
         *,
         teacher_logits: torch.Tensor,
         settings: DraftStepSettings,
         loss_scale: float = 1.0,
         cp_group: dist.ProcessGroup | None = None,
-    ) -> tuple[TTTOutput, torch.Tensor]:
-        """The draft's micro-step: `ttt_forward`, then the backward of its loss times ``loss_scale`` into the
+        generator: torch.Generator | None = None,
+    ) -> tuple[DraftLossOutput, torch.Tensor]:
+        """The draft's micro-step: `draft_forward`, then the backward of its loss times ``loss_scale`` into the
         draft's gradients, skipped when the loss is not finite. Returns the output and the whole loss that decided
-        (under context parallelism the global one, so that every rank of the group decides alike: a backward on some
-        ranks only would hang the ring). ``cp_group`` applies to packed documents (``recorded.cu_seqlens``) only."""
+        (under context parallelism the global one, ``step_weights * step_losses`` summed, so that every rank of the
+        group decides alike: a backward on some ranks only would hang the ring). ``cp_group`` applies to packed
+        documents (``recorded.cu_seqlens``) only."""
         cp_group = cp_group if recorded.cu_seqlens is not None else None
-        out = DraftCoTrainer.ttt_forward(
-            draft, recorded, teacher_logits=teacher_logits, settings=settings, cp_group=cp_group
+        out = DraftCoTrainer.draft_forward(
+            draft, recorded, teacher_logits=teacher_logits, settings=settings, cp_group=cp_group, generator=generator
         )
         total_loss = out.loss.detach()
         if cp_group is not None:  # `out.loss` is this rank's share; the step losses are global
-            weights = settings.step_weight_decay ** torch.arange(settings.ttt_steps, device=out.step_losses.device)
-            total_loss = (weights * out.step_losses).sum()
+            total_loss = (out.step_weights * out.step_losses).sum()
         if torch.isfinite(total_loss):
             (out.loss * loss_scale).backward()
         return out, total_loss
 
-    def record_metrics(self, out: TTTOutput | None, total_loss: torch.Tensor | None = None) -> None:
+    def record_metrics(self, out: DraftLossOutput | None, total_loss: torch.Tensor | None = None) -> None:
         """Keep one micro-step's metrics for the next `update`; a placeholder row where another rank trained the
         draft (pipeline parallelism: the owner broadcasts its rows)."""
         if out is None:
-            self._micro_metrics.append(torch.zeros(1 + 3 * self.settings.ttt_steps))
+            self._micro_metrics.append(torch.zeros(1 + 3 * self.num_positions))
             return
         total_loss = out.loss.detach() if total_loss is None else total_loss
         if not torch.isfinite(total_loss):
@@ -330,7 +337,7 @@ class DraftCoTrainer:
     def _log_metrics(self, grad_norm: torch.Tensor) -> None:
         if not self._micro_metrics:
             return
-        k = self.settings.ttt_steps
+        k = self.num_positions
         local = torch.stack(self._micro_metrics).to(self.accelerator.device)
         self._micro_metrics.clear()
         if self.owner_rank is not None:  # the owner's metrics (the other ranks hold placeholders)
@@ -361,6 +368,7 @@ class DraftCoTrainer:
             "scheduler": self.scheduler.state_dict(),
             "skipped_steps": self.skipped_steps,
             "restored_steps": self.restored_steps,
+            "generator": self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -368,6 +376,8 @@ class DraftCoTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
         self.restored_steps = state.get("restored_steps", 0)  # checkpoints written before healing existed
+        if "generator" in state:  # checkpoints written before drafter families drew at random
+            self.generator.set_state(state["generator"])
         self._last_good = self._snapshot()
 
 

@@ -58,7 +58,7 @@ class PipelineParallel(OwnTrainingStep):
 
     In each step the ranks exchange their micro-batches and every stage runs the same batch, the concatenation in rank
     order, through `PipelineCoTrainStep.step`: the GRPO loss with TRL's whole-batch normaliser at the last stage, and
-    the draft's TTT on the taps there. The gradients are those of one process on all rows, which is what data
+    the draft's objective on the taps there. The gradients are those of one process on all rows, which is what data
     parallelism's average over the same ranks computes.
 
     Args (besides `DataParallel`'s):

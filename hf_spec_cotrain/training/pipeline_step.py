@@ -13,7 +13,7 @@ Taps reach the draft in one of two ways (``tap_transport``):
 * ``"relay"`` (the baseline): taps ride the pipeline as extra stage outputs; every stage forwards the taps of
   earlier stages plus its own with its activations.
 
-The draft's training-time test (`DraftCoTrainer.ttt_micro_step`, the micro-step of every draft) runs on the last
+The draft's training objective (`DraftCoTrainer.draft_micro_step`, the micro-step of every draft) runs on the last
 stage once its part of the schedule is done (while the earlier stages still drain their backward passes), on the
 whole batch, with the teacher computed there from the final norm's output and the lm_head rows of the draft
 vocabulary. Policy gradients accumulate in each stage's parameters and draft gradients in the draft's, exactly as
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+from ..draft import DraftLossOutput
 from ..losses import (
     check_grpo_loss_type,
     completion_loss_mask,
@@ -48,7 +49,6 @@ from ..parallel.pipeline import (
 )
 from ..parallel.tap_channel import TapChannel
 from ..taps import Taps, decoder_of, validate_aux_layer_ids
-from ..ttt import TTTOutput
 from ..validation import check_int
 from .draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps
 
@@ -99,17 +99,17 @@ class PipelineStepOutput:
     """What one step leaves on this rank: losses on the last stage (None elsewhere).
 
     ``policy_loss`` is the GRPO loss of the whole batch (the sum of the micro-batch losses, each normalised by the
-    whole batch's normaliser), ``draft`` the draft's `TTTOutput` (its loss was backpropagated, times
+    whole batch's normaliser), ``draft`` the draft's `DraftLossOutput` (its loss was backpropagated, times
     ``draft_loss_scale``), None without co-training.
     """
 
     policy_loss: torch.Tensor | None = None
-    draft: TTTOutput | None = None
+    draft: DraftLossOutput | None = None
 
 
 class PipelineCoTrainStep:
     r"""
-    The GRPO training step of a HF causal LM cut into pipeline stages, with an EAGLE-3 draft co-trained on the
+    The GRPO training step of a HF causal LM cut into pipeline stages, with a draft (any family) co-trained on the
     last stage from the policy's own taps.
 
     Build it on every rank of the pipeline group with the same arguments (the draft only on the last stage);
@@ -123,8 +123,9 @@ class PipelineCoTrainStep:
             and their weights released). Tied input and output
             embeddings are refused: they would live on two stages.
         group: the pipeline's process group (default: the world); stage i is group rank i.
-        draft: the `Eagle3DraftModel` to co-train, required on the last stage when ``aux_layer_ids`` is set.
-        aux_layer_ids: tapped layers (the draft's ``fc`` order). None: no co-training (plain pipelined GRPO).
+        draft: the `DraftModel` to co-train, required on the last stage when ``aux_layer_ids`` is set.
+        aux_layer_ids: tapped layers (the draft's `tap_layer_ids`, in its order). None: no co-training (plain
+            pipelined GRPO).
         schedule: ``"1F1B"`` (default) or ``"GPipe"``.
         num_microbatches: pipeline micro-batches per step (>= 4, and >= the number of stages for 1F1B); the
             batch size must be a multiple of it.
@@ -137,8 +138,9 @@ class PipelineCoTrainStep:
             whole or this rank's stage alone, cut **in place** to the same stage; each step first runs it
             forward-only through the pipeline (`torch.distributed.pipelining`'s ``eval``) on the step's batch, so
             the last stage gets the reference log-probs of every row without any rank holding the whole reference.
-        ttt_steps, ttt_step_weight_decay, ttt_gradient_checkpointing, draft_bf16: the draft's training-time test
-            (`DraftStepSettings`: the draft's TTT under bf16 autocast with ``draft_bf16``, float32 weights).
+        draft_settings: how the draft's micro-step runs (`DraftStepSettings`: its family's objective, gradient
+            checkpointing, bf16 autocast over float32 weights); default: the family's default objective in float32.
+        draft_generator: the random stream of the draft's objective (`DraftModel.training_loss`).
         device: where this stage runs (default: the model's device).
     """
 
@@ -160,10 +162,8 @@ class PipelineCoTrainStep:
         beta: float = 0.0,
         bias_correction_kl: bool = True,
         reference_model: nn.Module | None = None,
-        ttt_steps: int = 3,
-        ttt_step_weight_decay: float = 0.8,
-        ttt_gradient_checkpointing: bool = False,
-        draft_bf16: bool = False,
+        draft_settings: DraftStepSettings | None = None,
+        draft_generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
     ):
         self.group = group if group is not None else dist.group.WORLD
@@ -199,12 +199,6 @@ class PipelineCoTrainStep:
         self.num_microbatches = num_microbatches
         self.temperature, self.epsilon_low = temperature, epsilon_low
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-        self.draft_settings = DraftStepSettings(
-            ttt_steps=ttt_steps,
-            step_weight_decay=ttt_step_weight_decay,
-            gradient_checkpointing=ttt_gradient_checkpointing,
-            bf16=draft_bf16,
-        )
         self.tap_transport = tap_transport
         self.hidden_size = text_config.hidden_size
         self.vocab_size = text_config.vocab_size
@@ -217,6 +211,9 @@ class PipelineCoTrainStep:
         # Taps of each stage in the order it produces them (forward order).
         self.taps_of_stage = [[a for a in tap_layers if a in layers] for layers in self.layer_ranges]
         self.draft = draft if self.is_last else None
+        if self.draft is not None and draft_settings is None:
+            draft_settings = DraftStepSettings(options=self.draft.training_options(None))
+        self.draft_settings, self.draft_generator = draft_settings, draft_generator
         if self.is_last and self.co_training:
             if draft is None:
                 raise ValueError("The last stage trains the draft: pass `draft=` there when `aux_layer_ids` is set.")
@@ -494,9 +491,14 @@ class PipelineCoTrainStep:
         )
         return recorded, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
 
-    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> TTTOutput:
+    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> DraftLossOutput:
         recorded, teacher = self._draft_inputs(batch, attention_mask)
-        out, _ = DraftCoTrainer.ttt_micro_step(
-            self.draft, recorded, teacher_logits=teacher, settings=self.draft_settings, loss_scale=scale
+        out, _ = DraftCoTrainer.draft_micro_step(
+            self.draft,
+            recorded,
+            teacher_logits=teacher,
+            settings=self.draft_settings,
+            loss_scale=scale,
+            generator=self.draft_generator,
         )
         return out

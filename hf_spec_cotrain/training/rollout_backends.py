@@ -16,7 +16,7 @@ from torch import nn
 from transformers.utils import logging
 from trl.trainer.utils import pad
 
-from ..draft import Eagle3DraftModel
+from ..draft import DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, SpeculationPolicy
 from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
 from ..generation.pipelined import PipelinedTarget
@@ -95,7 +95,7 @@ class HFNativeBackend:
 
     def __init__(
         self,
-        draft: Eagle3DraftModel,
+        draft: DraftModel,
         sampling: RolloutSampling,
         *,
         policy: Callable[[], AbstractContextManager[nn.Module]],
@@ -171,7 +171,7 @@ class VLLMBackend:
     def __init__(
         self,
         engine: RolloutEngine,
-        draft: Eagle3DraftModel,
+        draft: DraftModel,
         sampling: RolloutSampling,
         accelerator,
         *,
@@ -302,9 +302,7 @@ def engine_row_steps(counters, k: int, num_tokens: int) -> int:
     return counters.num_drafts if k else num_tokens
 
 
-def build_rollout_engine(
-    draft: Eagle3DraftModel, args, *, policy: nn.Module, tokenizer, max_num_seqs: int
-) -> RolloutEngine:
+def build_rollout_engine(draft: DraftModel, args, *, policy: nn.Module, tokenizer, max_num_seqs: int) -> RolloutEngine:
     """The vLLM engine (policy + draft) of speculative vLLM rollouts: colocated in this process, or a client of an
     ``hf-spec-cotrain vllm-serve`` server (``vllm_mode="server"``)."""
     if args.vllm_mode == "server":
@@ -331,11 +329,10 @@ def build_rollout_engine(
         policy_folder = Path(args.output_dir) / "rollout_policy_init"
         policy.save_pretrained(policy_folder)
         tokenizer.save_pretrained(policy_folder)
-    # The engine starts from a bootstrap draft and gets the real weights at its first sync. Its lm_head must
-    # differ from the policy's, or vLLM would share the two and the draft's own head could never be synced.
+    # The engine starts from a bootstrap draft (one whose every weight vLLM keeps its own, `vllm_bootstrap_state_dict`)
+    # and gets the real weights at its first sync.
     draft_folder = Path(args.output_dir) / "rollout_draft_init"
-    bootstrap = {**draft.state_dict(), "lm_head.weight": -draft.lm_head.weight.detach()}
-    draft.save_pretrained(draft_folder, state_dict=bootstrap)
+    draft.save_pretrained(draft_folder, state_dict=draft.vllm_bootstrap_state_dict())
     draft_sample_method, rejection_sample_method = vllm_sampling_methods(draft, args)
     adaptive = args.num_speculative_tokens == "auto"
     eager = {}
@@ -360,7 +357,7 @@ def build_rollout_engine(
     )
 
 
-def vllm_sampling_methods(draft: Eagle3DraftModel, args) -> tuple[str | None, str | None]:
+def vllm_sampling_methods(draft: DraftModel, args) -> tuple[str | None, str | None]:
     """vLLM's draft/rejection sampling methods: probabilistic drafting whenever vLLM accepts it."""
     if args.vllm_draft_sample_method is not None:
         return args.vllm_draft_sample_method, args.vllm_rejection_sample_method

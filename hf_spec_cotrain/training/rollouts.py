@@ -18,7 +18,7 @@ from accelerate.utils import gather
 from torch import nn
 from transformers.utils import logging
 
-from ..draft import Eagle3DraftModel
+from ..draft import DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
 from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
 from ..generation.pipelined import PipelinedTarget
@@ -69,7 +69,7 @@ class SpeculativeRollouts:
 
     def __init__(
         self,
-        draft: Eagle3DraftModel,
+        draft: DraftModel,
         args,
         accelerator,
         *,
@@ -283,7 +283,7 @@ def _row_weighted_mean(values: list[tuple[int, float]]) -> float:
 
 
 def build_rollouts(
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     args,
     accelerator,
     *,

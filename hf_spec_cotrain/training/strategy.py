@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..attention.hf_adapter import zigzag_ring_attention
-from ..draft import Eagle3DraftModel
+from ..draft import DraftModel
 from ..parallel.dims import ParallelDims
 from ..parallel.fsdp import apply_fsdp2
 from .context_parallel import ContextParallel
 from .data_parallel import DataParallel, TRLHooks
+from .draft_cotraining import DraftCoTrainer
 from .pipeline_parallel import PipelineParallel
 from .pipeline_step import PipelineCoTrainStep
 
@@ -45,9 +46,9 @@ def parallelize_policy(
     model: nn.Module,
     policy: nn.Module,
     reference_model: nn.Module | None,
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     aux_layer_ids,
-    draft_bf16: bool,
+    draft_cotrainer: DraftCoTrainer,
     shards_policy_itself: bool,
     accelerator,
     args,
@@ -83,10 +84,8 @@ def parallelize_policy(
             # TRL's reference model, cut to this stage too; TRL no longer computes its log-probs (the strategy skips
             # that), the stages do in each step, on the batch the pipeline trains on.
             reference_model=None if reference_model is None else accelerator.unwrap_model(reference_model),
-            ttt_steps=args.ttt_steps,
-            ttt_step_weight_decay=args.ttt_step_weight_decay,
-            ttt_gradient_checkpointing=args.ttt_gradient_checkpointing,
-            draft_bf16=draft_bf16,
+            draft_settings=draft_cotrainer.settings,
+            draft_generator=draft_cotrainer.generator,
             device=accelerator.device,
         )
         # This stage's embeddings (none but on the first), not the uncut policy's, whose other modules the cut freed.
@@ -118,9 +117,9 @@ def build_parallel_strategy(
     model: nn.Module,
     policy: nn.Module,
     reference_model: nn.Module | None,
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     aux_layer_ids,
-    draft_cotrainer,
+    draft_cotrainer: DraftCoTrainer,
     accelerator,
     args,
     distributed,
@@ -137,7 +136,7 @@ def build_parallel_strategy(
         reference_model=reference_model,
         draft=draft,
         aux_layer_ids=aux_layer_ids,
-        draft_bf16=draft_cotrainer.settings.bf16,
+        draft_cotrainer=draft_cotrainer,
         shards_policy_itself=shards_policy_itself,
         accelerator=accelerator,
         args=args,

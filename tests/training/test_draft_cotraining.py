@@ -1,10 +1,11 @@
-"""The draft's one TTT micro-step (`DraftCoTrainer.ttt_micro_step`) and optimizer builder, called without a trainer:
+"""The draft's one TTT micro-step (`DraftCoTrainer.draft_micro_step`) and optimizer builder, called without a trainer:
 what the co-trainer, the pipeline's last stage and the warm start all run."""
 
 import pytest
 import torch
 
 from hf_spec_cotrain import Eagle3DraftModel, ttt_loss
+from hf_spec_cotrain.draft import Eagle3TrainingOptions
 from hf_spec_cotrain.taps import Taps
 from hf_spec_cotrain.testing import build_tiny_target
 from hf_spec_cotrain.training.draft_cotraining import (
@@ -49,10 +50,10 @@ def _grads(draft) -> dict[str, torch.Tensor]:
 
 
 def test_micro_step_backpropagates_the_scaled_ttt_loss(target):
-    settings = DraftStepSettings(ttt_steps=3, step_weight_decay=0.7)
+    settings = DraftStepSettings(Eagle3TrainingOptions(ttt_steps=3, step_weight_decay=0.7))
     draft = _draft(target)
     recorded, teacher = _recorded(draft)
-    out, total_loss = DraftCoTrainer.ttt_micro_step(
+    out, total_loss = DraftCoTrainer.draft_micro_step(
         draft, recorded, teacher_logits=teacher, settings=settings, loss_scale=0.25
     )
     grads = _grads(draft)
@@ -79,8 +80,8 @@ def test_micro_step_skips_the_backward_of_a_non_finite_loss(target):
     draft = _draft(target)
     recorded, teacher = _recorded(draft)
     teacher[0, 5] = float("nan")  # a counted position
-    out, total_loss = DraftCoTrainer.ttt_micro_step(
-        draft, recorded, teacher_logits=teacher, settings=DraftStepSettings()
+    out, total_loss = DraftCoTrainer.draft_micro_step(
+        draft, recorded, teacher_logits=teacher, settings=DraftStepSettings(Eagle3TrainingOptions())
     )
     assert not torch.isfinite(total_loss) and not torch.isfinite(out.loss)
     assert not _grads(draft)
@@ -89,18 +90,18 @@ def test_micro_step_skips_the_backward_of_a_non_finite_loss(target):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_micro_step_runs_in_the_precision_its_settings_ask_for(target, bf16):
     """bf16: the draft computes under bf16 autocast, its weights and gradients stay float32; the forward alone
-    (`ttt_forward`, what evaluation runs) gives the micro-step's loss."""
+    (`draft_forward`, what evaluation runs) gives the micro-step's loss."""
     draft = _draft(target)
     recorded, teacher = _recorded(draft)
-    settings = DraftStepSettings(ttt_steps=2, bf16=bf16)
+    settings = DraftStepSettings(Eagle3TrainingOptions(ttt_steps=2), bf16=bf16)
     dtypes = set()
     draft.midlayer.mlp.down_proj.register_forward_hook(lambda module, args, output: dtypes.add(output.dtype))
-    out, _ = DraftCoTrainer.ttt_micro_step(draft, recorded, teacher_logits=teacher, settings=settings)
+    out, _ = DraftCoTrainer.draft_micro_step(draft, recorded, teacher_logits=teacher, settings=settings)
     assert dtypes == {torch.bfloat16 if bf16 else torch.float32}
     assert {grad.dtype for grad in _grads(draft).values()} == {torch.float32}
     assert {p.dtype for p in draft.parameters()} == {torch.float32}
     with torch.no_grad():
-        forward = DraftCoTrainer.ttt_forward(draft, recorded, teacher_logits=teacher, settings=settings)
+        forward = DraftCoTrainer.draft_forward(draft, recorded, teacher_logits=teacher, settings=settings)
     assert not forward.loss.requires_grad
     torch.testing.assert_close(forward.loss, out.loss.detach())
 
