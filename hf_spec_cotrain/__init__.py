@@ -24,6 +24,7 @@ __all__ = [
     "TapRecorder",
     "VLLMRolloutEngine",
     "__version__",
+    "block_draft_attention",
     "branch_attention",
     "default_aux_layer_ids",
     "speculative_generate",
@@ -44,6 +45,7 @@ _MODULE_OF = {
     "TapChannel": "parallel.tap_channel",
     "TapRecorder": "taps",
     "VLLMRolloutEngine": "generation.vllm_engine",
+    "block_draft_attention": "attention",
     "branch_attention": "attention",
     "default_aux_layer_ids": "taps",
     "speculative_generate": "generation.speculative",
@@ -52,7 +54,7 @@ _MODULE_OF = {
 }
 
 if TYPE_CHECKING:
-    from .attention import branch_attention
+    from .attention import block_draft_attention, branch_attention
     from .config import SpecCoTrainConfig
     from .draft import Eagle3DraftConfig, Eagle3DraftModel
     from .generation.adaptive import AdaptiveSpeculation
