@@ -12,6 +12,8 @@ from .version import __version__
 
 __all__ = [
     "AdaptiveSpeculation",
+    "DraftLossOutput",
+    "DraftModel",
     "DraftTrainingConfig",
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
@@ -19,7 +21,6 @@ __all__ = [
     "SpecCoTrainConfig",
     "SpecCoTrainGRPOTrainer",
     "SpeculativeOutput",
-    "TTTOutput",
     "TapChannel",
     "TapRecorder",
     "VLLMRolloutEngine",
@@ -34,6 +35,8 @@ __all__ = [
 
 _MODULE_OF = {
     "AdaptiveSpeculation": "generation.adaptive",
+    "DraftLossOutput": "draft",
+    "DraftModel": "draft",
     "DraftTrainingConfig": "warmstart",
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
@@ -41,7 +44,6 @@ _MODULE_OF = {
     "SpecCoTrainConfig": "config",
     "SpecCoTrainGRPOTrainer": "trainer",
     "SpeculativeOutput": "generation.decoder",
-    "TTTOutput": "ttt",
     "TapChannel": "parallel.tap_channel",
     "TapRecorder": "taps",
     "VLLMRolloutEngine": "generation.vllm_engine",
@@ -50,13 +52,13 @@ _MODULE_OF = {
     "default_aux_layer_ids": "taps",
     "speculative_generate": "generation.speculative",
     "train_draft": "warmstart",
-    "ttt_loss": "ttt",
+    "ttt_loss": "draft",
 }
 
 if TYPE_CHECKING:
     from .attention import block_draft_attention, branch_attention
     from .config import SpecCoTrainConfig
-    from .draft import Eagle3DraftConfig, Eagle3DraftModel
+    from .draft import DraftLossOutput, DraftModel, Eagle3DraftConfig, Eagle3DraftModel, ttt_loss
     from .generation.adaptive import AdaptiveSpeculation
     from .generation.decoder import SpeculativeOutput
     from .generation.speculative import speculative_generate
@@ -65,7 +67,6 @@ if TYPE_CHECKING:
     from .taps import TapRecorder, default_aux_layer_ids
     from .trainer import SpecCoTrainGRPOTrainer
     from .training.pipeline_step import PipelineCoTrainStep
-    from .ttt import TTTOutput, ttt_loss
     from .warmstart import DraftTrainingConfig, train_draft
 
 

@@ -10,10 +10,10 @@ import torch
 from accelerate.parallelism_config import ParallelismConfig
 from trl import GRPOConfig
 
+from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.compatibility import launcher_fsdp_version
 from .parallel.dims import ParallelDims
-from .ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .validation import check_int
 
 

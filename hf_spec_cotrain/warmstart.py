@@ -16,11 +16,11 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType
 
-from .draft import Eagle3DraftModel, count_tokens
+from .draft import DraftLossOutput, Eagle3DraftModel, count_tokens
 from .draft.card import WarmStartRecord, model_license, render_draft_card
+from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .taps import TapRecorder
 from .training.draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps, build_draft_optimizer
-from .ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput
 from .validation import check_int
 
 
@@ -221,7 +221,7 @@ def draft_loss_on_batch(
     ttt_steps: int,
     step_weight_decay: float,
     bf16: bool = False,
-) -> TTTOutput:
+) -> DraftLossOutput:
     """The draft's TTT loss on the batch (`draft_inputs_of_batch`), without a backward.
 
     ``bf16``: the target's forward and the draft's TTT under bf16 autocast; the teacher is computed in float32.

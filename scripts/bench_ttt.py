@@ -1,6 +1,6 @@
 """TTT forward+backward time and peak memory against L: blockwise branch attention versus a dense-mask reference.
 
-Both paths run the same `hf_spec_cotrain.ttt.ttt_loss` on the same draft and inputs (one packed row of three
+Both paths run the same `hf_spec_cotrain.draft.eagle3_ttt.ttt_loss` on the same draft and inputs (one packed row of three
 documents, K = 3 steps); the dense path only swaps the attention for `branch_attention_reference` (one explicit
 ``[L, (1 + S) L]`` mask per head) inside its own process, without changing the library. Each (path, L) runs in a
 fresh subprocess, so that its peak resident memory (``ru_maxrss``) is its own: the reported memory is the peak RSS
@@ -81,7 +81,7 @@ def run_child(args: argparse.Namespace) -> None:
     """Measure one (path, L) in this fresh process and print the result as one JSON line."""
     import torch
 
-    import hf_spec_cotrain.ttt as ttt
+    import hf_spec_cotrain.draft.eagle3_ttt as ttt
     from hf_spec_cotrain.attention import branch_attention_reference
     from hf_spec_cotrain.draft import Eagle3DraftModel, count_tokens
     from hf_spec_cotrain.testing import build_tiny_target

@@ -7,14 +7,29 @@ methods only, so a new family is a new module plus one registry entry.
 """
 
 import abc
+import json
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from accelerate.utils import patch_environment
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+
+from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
+from .upload import push_draft_folder
+from .vocab import vocab_maps
 
 
 @dataclass
@@ -92,21 +107,215 @@ class DraftModel(PreTrainedModel):
     """A drafter family's model: a small network on the target's taps that proposes tokens for the target to
     verify, reading the target's token embedding (bound by `bind_target`, never saved, never trained).
 
-    Subclasses set `drafter_name` (the `SpecCoTrainConfig.drafter` value) and `vllm_method` (vLLM's
-    `speculative_config["method"]`) and implement the abstract methods below.
+    Subclasses set `drafter_name` (the `SpecCoTrainConfig.drafter` value), `vllm_method` (vLLM's
+    `speculative_config["method"]`) and `checkpoint_architecture` (the ``architectures`` entry vLLM dispatches on),
+    register their vocabulary maps (`_register_vocab_maps`) and implement the abstract methods below. Their config
+    carries ``vocab_size`` (the target's) and ``draft_vocab_size``.
+
+    What every family shares lives here: strict safetensors loading, saving from a chosen rank, the Hub upload, the
+    weight checks, the draft-to-target vocabulary (``d2t`` offsets, vLLM's convention, and optionally the ``t2d``
+    mask), the bound target's embedding and the teacher's logits over the draft vocabulary.
     """
 
     drafter_name: ClassVar[str]
     vllm_method: ClassVar[str]
+    checkpoint_architecture: ClassVar[str]
+    display_name: ClassVar[str]  # the family in messages ("EAGLE-3")
+    # The draft's names in vLLM for the per-step weight sync (`to_vllm`, `to_checkpoint`, `relayout`,
+    # `unknown_problems`: `hf_spec_cotrain.generation.vllm_layout.WeightNames`).
+    vllm_weight_names: ClassVar[Any]
+    base_model_prefix = "draft"
+    main_input_name = "input_ids"
+    # Checkpoints from other tools may carry the target's embedding; the draft reads the bound target's instead.
+    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$"]
+    _save_on_this_rank = False  # set by `save_pretrained(on_this_rank=True)` while it runs
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.__dict__["_target_embedding"] = None  # a reference, not a submodule: never saved, never trained
+
+    def _register_vocab_maps(self, *, with_t2d: bool = True) -> None:
+        """``d2t`` (int64 ``[draft_vocab_size]``, target id = draft id + offset) and, with ``with_t2d``, ``t2d`` (bool
+        ``[vocab_size]``, the target ids in the draft vocabulary). vLLM 0.31 refuses a ``d2t`` when the two
+        vocabularies are equal: it stays out of the checkpoint then."""
+        reduced = self.config.draft_vocab_size < self.config.vocab_size
+        self.register_buffer("d2t", torch.zeros(self.config.draft_vocab_size, dtype=torch.int64), persistent=reduced)
+        if with_t2d:
+            self.register_buffer("t2d", torch.ones(self.config.vocab_size, dtype=torch.bool))
+
+    @property
+    def vocab_map_buffers(self) -> dict[str, torch.Tensor]:
+        """The vocabulary maps this family keeps (``d2t``, and ``t2d`` where it has one), by checkpoint name."""
+        buffers = dict(self.named_buffers())
+        return {name: buffers[name] for name in VOCAB_MAPS if name in buffers}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            for name, tensor in self.vocab_map_buffers.items():
+                (init.zeros_ if name == "d2t" else init.ones_)(tensor)
+
+    @torch.no_grad()
+    def _set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Keep the target ids ``draft_ids`` (ascending) as the draft vocabulary (`vocab_map_buffers`)."""
+        buffers = self.vocab_map_buffers
+        for name, tensor in zip(("d2t", "t2d"), vocab_maps(draft_ids, self.config.vocab_size)):
+            if name in buffers:
+                buffers[name].copy_(tensor)
+
+    # ------------------------------------------------------------------ building and binding
 
     @classmethod
     @abc.abstractmethod
     def from_target(cls, target: PreTrainedModel, **options: Any) -> "DraftModel":
         """A fresh draft sized for ``target``, bound to it (`bind_target`)."""
 
-    @abc.abstractmethod
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
+        """Load a draft checkpoint (safetensors only) of this family.
+
+        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
+        so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
+        Pass ``target=`` to validate and bind in one go.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
+        kwargs["use_safetensors"] = True
+        key_mapping = cls._checkpoint_key_mapping()
+        if key_mapping is not None:
+            kwargs.setdefault("key_mapping", key_mapping)
+        _check_folder_or_repo_id(pretrained_model_name_or_path)
+        want_info = kwargs.pop("output_loading_info", False)
+        # Under FSDP's CPU-RAM-efficient loading transformers reads the weights on local rank 0 only and leaves zeros
+        # elsewhere for FSDP to broadcast; the draft is replicated, never FSDP-wrapped, so every rank reads it.
+        with patch_environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):
+            draft, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        what = f"The draft checkpoint {pretrained_model_name_or_path}"
+        missing = set(info["missing_keys"])
+        missing_weights = sorted(missing - set(VOCAB_MAPS))
+        if missing_weights:
+            raise ValueError(
+                f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
+                f"at random. Load a complete {cls.display_name} checkpoint (`save_pretrained` writes one)."
+            )
+        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
+        draft._complete_vocab_maps(missing)
+        draft.validate_weights(what=what)
+        if target is not None:
+            draft.bind_target(target)
+        return (draft, info) if want_info else draft
+
+    @classmethod
+    def _checkpoint_key_mapping(cls) -> dict[str, str] | None:
+        """transformers' ``key_mapping`` from another layout of this family's checkpoints to its own, if any."""
+        return None
+
+    @classmethod
+    def _checkpoint_tensor_name(cls, stored_name: str) -> str:
+        """A stored tensor's parameter name (the inverse of `_checkpoint_key_mapping`)."""
+        return stored_name
+
+    def should_save_on_this_rank(self, is_main_process: bool) -> bool:
+        if self._save_on_this_rank:
+            return is_main_process
+        return super().should_save_on_this_rank(is_main_process)
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, on_this_rank: bool = False, **kwargs):
+        """Write the checkpoint (safetensors) as vLLM loads this family's drafts; ``config.json`` names
+        `checkpoint_architecture`, which vLLM dispatches on.
+
+        ``on_this_rank``: write the weights from this process whatever its rank, the caller having chosen it (under
+        pipeline parallelism the last stage, which trains the draft); transformers writes them from global rank 0 only.
+        """
+        if push_to_hub:
+            return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory))), **kwargs)
+        self._save_on_this_rank = on_this_rank
+        try:
+            # The names are this method's choice: never the reverse of a `key_mapping` the draft was loaded with.
+            result = super().save_pretrained(save_directory, *args, save_original_format=False, **kwargs)
+        finally:
+            self._save_on_this_rank = False
+        # PreTrainedModel records the Python class name; vLLM dispatches on the family's architecture name.
+        self.config.architectures = [self.checkpoint_architecture]
+        self.config.save_pretrained(save_directory)
+        return result
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        model_card: str | None = None,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ):
+        """Upload the checkpoint (plus ``model_card`` as README.md) to ``repo_id``; returns the commit info."""
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder)
+            if model_card is not None:
+                Path(folder, "README.md").write_text(model_card, encoding="utf-8")
+            return push_draft_folder(
+                folder,
+                repo_id,
+                token=token,
+                private=private,
+                revision=revision,
+                create_pr=create_pr,
+                commit_message=commit_message or f"Upload {self.display_name} draft",
+            )
+
+    def _check_stored_dtypes(self, files: list[str], *, what: str) -> None:
+        """The loader casts every tensor to the parameter's dtype without a word (an int32 weight arrives truncated):
+        check the weights as stored, each floating and in the config's declared dtype."""
+        declared = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else None
+        weights = dict(self.named_parameters())
+        problems = []
+        for file in files:
+            with safe_open(file, framework="pt") as stored:
+                for stored_name in stored.keys():
+                    name = self._checkpoint_tensor_name(stored_name)
+                    if name in weights:
+                        empty = stored.get_slice(stored_name)[:0]  # the stored dtype, no data read
+                        problems.extend(weight_problems(name, empty, dtype=declared))
+        if problems:
+            raise ValueError(
+                f"{what} is not usable: {'; '.join(problems)}. Save the draft with floating weights in one dtype "
+                "(`save_pretrained` does)."
+            )
+
+    def _complete_vocab_maps(self, missing_keys: set[str]) -> None:
+        reduced = self.config.draft_vocab_size < self.config.vocab_size
+        if "d2t" in missing_keys and reduced:
+            raise ValueError(
+                f"The checkpoint has draft_vocab_size={self.config.draft_vocab_size} < vocab_size="
+                f"{self.config.vocab_size} but no `d2t` tensor, so its draft ids cannot be mapped to target ids."
+            )
+        if "t2d" in missing_keys and "t2d" in self.vocab_map_buffers:
+            t2d = torch.zeros_like(self.t2d)
+            t2d[self.draft_to_target_ids] = True
+            self.t2d.copy_(t2d)
+
+    def validate_weights(self, *, what: str = "The draft") -> None:
+        """Raise a ValueError if a weight is non-finite or not in the draft's dtype, or if the vocabulary maps do not
+        map into the target vocabulary: such a draft would fail or draft garbage at the first rollout."""
+        tensors = {**dict(self.named_parameters()), **self.vocab_map_buffers}
+        check_draft_tensors(tensors, vocab_size=self.config.vocab_size, dtype=self.dtype, what=what)
+
     def bind_target(self, target: PreTrainedModel) -> "DraftModel":
-        """Check that this draft fits ``target`` (a ValueError naming the field otherwise); read its embedding."""
+        """Check that this draft fits ``target`` (`validate_target`) and read token embeddings from it from now on."""
+        self.validate_target(target.config)
+        self.__dict__["_target_embedding"] = target.get_input_embeddings()
+        return self
+
+    @abc.abstractmethod
+    def validate_target(self, target_config) -> tuple[int, ...]:
+        """Raise a ValueError naming the field if the draft cannot serve a target with this config; return its tap
+        ids (`tap_layer_ids`)."""
 
     @abc.abstractmethod
     def tap_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
@@ -114,13 +323,43 @@ class DraftModel(PreTrainedModel):
         its input projection concatenates them."""
 
     @property
-    @abc.abstractmethod
+    def target_embedding(self) -> nn.Module:
+        if self._target_embedding is None:
+            raise RuntimeError(
+                "This draft is not bound to a target: call `draft.bind_target(target)` (or pass `target=` to "
+                "`from_pretrained`); the draft reads token embeddings from the target."
+            )
+        return self._target_embedding
+
+    @property
     def draft_to_target_ids(self) -> torch.Tensor:
         """Target id of every draft id, ``[draft_vocab_size]``."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    @abc.abstractmethod
-    def teacher_logits(self, final_hidden: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
-        """The target's logits over the draft vocabulary from its final-norm output and lm_head weight."""
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target token embeddings, detached, in the draft's dtype: the draft never trains the policy's embedding."""
+        weight = self.target_embedding.weight.detach()
+        return F.embedding(input_ids.to(weight.device), weight).to(self.dtype)
+
+    @torch.no_grad()
+    def teacher_logits(
+        self, final_hidden: torch.Tensor, output_weight: torch.Tensor, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The target's logits over this draft's vocabulary, the training objective's teacher (docs/design.md
+        section 2).
+
+        ``final_hidden`` is the target's final-norm output, ``output_weight`` its lm_head weight (gathered first when
+        FSDP2 shards it); the product is computed in ``dtype`` (default: the weight's), outside any autocast.
+        Unscaled: rollouts apply the temperature to the draft and the target alike.
+        """
+        if hasattr(output_weight, "full_tensor"):
+            output_weight = output_weight.full_tensor()
+        rows = output_weight.detach()[self.draft_to_target_ids.to(output_weight.device)]
+        dtype = rows.dtype if dtype is None else dtype
+        with torch.autocast(final_hidden.device.type, enabled=False):
+            return final_hidden.to(dtype) @ rows.to(dtype).T
+
+    # ------------------------------------------------------------------ training
 
     @classmethod
     @abc.abstractmethod
@@ -142,23 +381,52 @@ class DraftModel(PreTrainedModel):
         the single-device loss and the metrics are global. ``generator``: the family's own randomness (DFlash's
         anchors), reproducible from the trainer's seed."""
 
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ generation and serving
+
     @abc.abstractmethod
     def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposer:
         """HF-native drafting state for one generate call; ``embed`` maps token ids to the target's embeddings
         (through the pipeline's first stage under pipeline parallelism)."""
 
+    @classmethod
     @abc.abstractmethod
-    def validate_weights(self, *, what: str = "The draft") -> None:
-        """Raise a ValueError if a weight is non-finite, not in the draft's dtype, or a vocabulary map is broken."""
+    def vllm_speculative_config(cls, model: str, num_speculative_tokens: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` for a draft of this family saved at ``model`` (a class method: the engine
+        and the server know the draft by its folder)."""
 
-    @abc.abstractmethod
-    def vllm_speculative_config(self, model: str, num_speculative_tokens: int) -> dict[str, Any]:
-        """vLLM's ``speculative_config`` for this draft saved at ``model``."""
 
-    @property
-    @abc.abstractmethod
-    def vllm_weight_names(self) -> Any:
-        """The draft's names in vLLM (`to_vllm`, `to_checkpoint`, `relayout`) for the per-step weight sync."""
+def _check_folder_or_repo_id(name) -> None:
+    """A name that is no local folder goes to the Hub; when it cannot be a repo id either, say so in words (rather than
+    huggingface_hub's "Repo id must be in the form ...")."""
+    if os.path.isdir(name):
+        return
+    try:
+        validate_repo_id(os.fspath(name))
+    except HFValidationError:
+        path = Path(name).resolve()
+        problem = f"{path} is a file, not a folder" if path.exists() else f"no such folder: {path}"
+        raise FileNotFoundError(
+            f"The draft checkpoint {os.fspath(name)!r} is neither a local folder ({problem}) nor a Hub repo id "
+            "('name' or 'namespace/name'). Pass the folder `save_pretrained` wrote (config.json and safetensors "
+            "weights), or a Hub repo id."
+        ) from None
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
+
+def _checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> list[str]:
+    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index."""
+    kwargs = {
+        key: hub_kwargs[key]
+        for key in ("cache_dir", "revision", "token", "subfolder", "local_files_only")
+        if key in hub_kwargs
+    }
+    single = cached_file(
+        pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **kwargs
+    )
+    if single is not None:
+        return [single]
+    index = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_INDEX_NAME, **kwargs)
+    shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+    return [cached_file(pretrained_model_name_or_path, shard, **kwargs) for shard in shards]

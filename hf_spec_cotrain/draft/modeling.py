@@ -7,21 +7,16 @@ callable supplied by the caller, which lets the same layers run the training-tim
 """
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from accelerate.utils import patch_environment
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
-from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -29,19 +24,14 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-from transformers.utils import (
-    CONFIG_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    ModelOutput,
-    cached_file,
-    logging,
-)
+from transformers.utils import CONFIG_NAME, ModelOutput, logging
 
 from ..taps import validate_aux_layer_ids
 from ..validation import check_int
-from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
+from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
+from .eagle3_ttt import Eagle3TrainingOptions, ttt_loss
+from .eagle3_vllm import DraftNames
 from .speculators_format import (
     CHECKPOINT_FORMATS,
     SPECULATORS_KEY_MAPPING,
@@ -49,8 +39,7 @@ from .speculators_format import (
     speculators_config_from_eagle3,
     speculators_state_dict,
 )
-from .upload import push_draft_folder
-from .vocab import select_draft_vocab, vocab_maps
+from .vocab import select_draft_vocab
 
 
 logger = logging.get_logger(__name__)
@@ -132,26 +121,28 @@ class Eagle3DecoderLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
-class Eagle3DraftModel(PreTrainedModel):
+class Eagle3DraftModel(DraftModel):
     r"""
-    EAGLE-3 draft head: ``g = fc(concat(taps))``, then ``num_hidden_layers`` decoder layers over
-    ``(embed(token), g)``, then ``lm_head(norm(h))`` over the draft vocabulary.
+    EAGLE-3 draft head (the ``"eagle3"`` drafter family): ``g = fc(concat(taps))``, then ``num_hidden_layers``
+    decoder layers over ``(embed(token), g)``, then ``lm_head(norm(h))`` over the draft vocabulary.
 
     The four-call interface (`embed_input_ids`, `project_hidden_states`, `backbone`, `compute_logits`) is all
     the training-time-test loop and the generators use. Parameters are named as vLLM's ``llama_eagle3`` loader
     expects (``fc``, ``midlayer.*``, ``layers.{i}.*`` for extra layers, ``norm``, ``lm_head``, ``d2t``, ``t2d``).
+    `from_pretrained` reads either layout `save_pretrained` writes, and checkpoints from EAGLE, SpecForge or
+    speculators.
     """
 
+    drafter_name = "eagle3"
+    vllm_method = "eagle3"
+    checkpoint_architecture = EAGLE3_ARCHITECTURE
+    display_name = "EAGLE-3"
+    vllm_weight_names = DraftNames()
     config_class = Eagle3DraftConfig
     config: Eagle3DraftConfig
-    base_model_prefix = "draft"
-    main_input_name = "input_ids"
     supports_gradient_checkpointing = False
     _no_split_modules = ["Eagle3DecoderLayer"]
     _supports_sdpa = True
-    # Checkpoints from other tools may carry the target's embedding; the draft reads the bound target's instead.
-    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$"]
-    _save_on_this_rank = False  # set by `save_pretrained(on_this_rank=True)` while it runs
 
     def __init__(self, config: Eagle3DraftConfig):
         super().__init__(config)
@@ -164,19 +155,8 @@ class Eagle3DraftModel(PreTrainedModel):
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        # vLLM 0.31 refuses a `d2t` when the two vocabularies are equal: keep it out of the checkpoint then.
-        reduced = config.draft_vocab_size < config.vocab_size
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64), persistent=reduced)
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
-        self.__dict__["_target_embedding"] = None  # a reference, not a submodule: never saved, never trained
+        self._register_vocab_maps()
         self.post_init()
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if module is self:
-            init.zeros_(self.d2t)
-            init.ones_(self.t2d)
 
     # ------------------------------------------------------------------ building and binding
 
@@ -223,53 +203,23 @@ class Eagle3DraftModel(PreTrainedModel):
         )
         target_head = target.get_output_embeddings().weight
         draft = cls(config).to(dtype=target_head.dtype, device=target_head.device)
-        d2t, t2d = vocab_maps(draft_ids, tcfg.vocab_size)
+        draft._set_draft_vocab(draft_ids)
         with torch.no_grad():
-            draft.d2t.copy_(d2t)
-            draft.t2d.copy_(t2d)
             draft.lm_head.weight.copy_(target_head.detach()[draft_ids.to(target_head.device)])
         return draft.bind_target(target)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
-        """Load a draft checkpoint (safetensors only): either layout `save_pretrained` writes, or one from EAGLE,
-        SpecForge or speculators.
+    def from_target_options(cls, args: Any) -> dict[str, Any]:
+        """`from_target`'s options from a `SpecCoTrainConfig` (its ``draft_*`` fields)."""
+        return {"num_layers": args.draft_num_layers, "aux_layer_ids": args.aux_layer_ids}
 
-        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
-        so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
-        Pass ``target=`` to validate and bind in one go.
-        """
-        if kwargs.get("use_safetensors") is False:
-            raise ValueError("`use_safetensors=False` is not allowed: drafts load from safetensors only.")
-        kwargs["use_safetensors"] = True
-        kwargs.setdefault("key_mapping", SPECULATORS_KEY_MAPPING)  # a speculators checkpoint's first layer
-        _check_folder_or_repo_id(pretrained_model_name_or_path)
-        want_info = kwargs.pop("output_loading_info", False)
-        # Under FSDP's CPU-RAM-efficient loading transformers reads the weights on local rank 0 only and leaves zeros
-        # elsewhere for FSDP to broadcast; the draft is replicated, never FSDP-wrapped, so every rank reads it.
-        with patch_environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):
-            draft, info = super().from_pretrained(
-                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-            )
-        what = f"The draft checkpoint {pretrained_model_name_or_path}"
-        missing = set(info["missing_keys"])
-        missing_weights = sorted(missing - set(VOCAB_MAPS))
-        if missing_weights:
-            raise ValueError(
-                f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
-                "at random. Load a complete EAGLE-3 checkpoint (`save_pretrained` writes one)."
-            )
-        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
-        draft._complete_vocab_maps(missing)
-        draft.validate_weights(what=what)
-        if target is not None:
-            draft.bind_target(target)
-        return (draft, info) if want_info else draft
+    @classmethod
+    def _checkpoint_key_mapping(cls) -> dict[str, str]:
+        return SPECULATORS_KEY_MAPPING  # a speculators checkpoint's first layer
 
-    def should_save_on_this_rank(self, is_main_process: bool) -> bool:
-        if self._save_on_this_rank:
-            return is_main_process
-        return super().should_save_on_this_rank(is_main_process)
+    @classmethod
+    def _checkpoint_tensor_name(cls, stored_name: str) -> str:
+        return eagle3_tensor_name(stored_name)
 
     def save_pretrained(
         self,
@@ -293,106 +243,27 @@ class Eagle3DraftModel(PreTrainedModel):
         """
         if format not in CHECKPOINT_FORMATS:
             raise ValueError(f"`format`={format!r} is not a draft checkpoint format: use one of {CHECKPOINT_FORMATS}.")
-        if push_to_hub:
-            if format != "eagle3":
-                raise ValueError(
-                    f"`push_to_hub=True` pushes the EAGLE-3 layout: save with format={format!r} to a folder, then "
-                    "upload it with `hf_spec_cotrain.draft.upload.push_draft_folder`."
-                )
-            return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.fspath(save_directory))), **kwargs)
-        speculators = format == "speculators"
+        if push_to_hub and format != "eagle3":
+            raise ValueError(
+                f"`push_to_hub=True` pushes the EAGLE-3 layout: save with format={format!r} to a folder, then "
+                "upload it with `hf_spec_cotrain.draft.upload.push_draft_folder`."
+            )
+        speculators = format == "speculators" and not push_to_hub
         if speculators:
             state_dict = kwargs.pop("state_dict", None)
             full_vocabulary = self.config.draft_vocab_size == self.config.vocab_size
             kwargs["state_dict"] = speculators_state_dict(
                 self.state_dict() if state_dict is None else state_dict, full_vocabulary=full_vocabulary
             )
-        self._save_on_this_rank = on_this_rank
-        try:
-            # The names are this method's choice: never the reverse of a `key_mapping` the draft was loaded with.
-            result = super().save_pretrained(save_directory, *args, save_original_format=False, **kwargs)
-        finally:
-            self._save_on_this_rank = False
-        # PreTrainedModel records the Python class name; vLLM dispatches on the EAGLE-3 architecture name.
-        self.config.architectures = [EAGLE3_ARCHITECTURE]
+        result = super().save_pretrained(
+            save_directory, *args, push_to_hub=push_to_hub, on_this_rank=on_this_rank, **kwargs
+        )
         if speculators:
             config = speculators_config_from_eagle3(
                 self.config.to_dict(), verifier=verifier, num_speculative_tokens=num_speculative_tokens
             )
             Path(save_directory, CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        else:
-            self.config.save_pretrained(save_directory)
         return result
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        model_card: str | None = None,
-        commit_message: str = "Upload EAGLE-3 draft",
-        private: bool | None = None,
-        token: str | bool | None = None,
-        revision: str | None = None,
-        create_pr: bool = False,
-    ):
-        """Upload the checkpoint (plus ``model_card`` as README.md) to ``repo_id``; returns the commit info."""
-        with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder)
-            if model_card is not None:
-                Path(folder, "README.md").write_text(model_card, encoding="utf-8")
-            return push_draft_folder(
-                folder,
-                repo_id,
-                token=token,
-                private=private,
-                revision=revision,
-                create_pr=create_pr,
-                commit_message=commit_message,
-            )
-
-    def _check_stored_dtypes(self, files: list[str], *, what: str) -> None:
-        """The loader casts every tensor to the parameter's dtype without a word (an int32 weight arrives truncated):
-        check the weights as stored, each floating and in the config's declared dtype."""
-        declared = self.config.dtype if isinstance(self.config.dtype, torch.dtype) else None
-        weights = dict(self.named_parameters())
-        problems = []
-        for file in files:
-            with safe_open(file, framework="pt") as stored:
-                for stored_name in stored.keys():
-                    name = eagle3_tensor_name(stored_name)
-                    if name in weights:
-                        empty = stored.get_slice(stored_name)[:0]  # the stored dtype, no data read
-                        problems.extend(weight_problems(name, empty, dtype=declared))
-        if problems:
-            raise ValueError(
-                f"{what} is not usable: {'; '.join(problems)}. Save the draft with floating weights in one dtype "
-                "(`save_pretrained` does)."
-            )
-
-    def _complete_vocab_maps(self, missing_keys: set[str]) -> None:
-        reduced = self.config.draft_vocab_size < self.config.vocab_size
-        if "d2t" in missing_keys and reduced:
-            raise ValueError(
-                f"The checkpoint has draft_vocab_size={self.config.draft_vocab_size} < vocab_size="
-                f"{self.config.vocab_size} but no `d2t` tensor, so its draft ids cannot be mapped to target ids."
-            )
-        if "t2d" in missing_keys:
-            target_ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-            t2d = torch.zeros_like(self.t2d)
-            t2d[target_ids] = True
-            self.t2d.copy_(t2d)
-
-    def validate_weights(self, *, what: str = "The draft") -> None:
-        """Raise a ValueError if a weight is non-finite or not in the draft's dtype, or if ``d2t``/``t2d`` do not map
-        into the target vocabulary: such a draft would fail or draft garbage at the first rollout."""
-        tensors = {**dict(self.named_parameters()), "d2t": self.d2t, "t2d": self.t2d}
-        check_draft_tensors(tensors, vocab_size=self.config.vocab_size, dtype=self.dtype, what=what)
-
-    def bind_target(self, target: PreTrainedModel) -> "Eagle3DraftModel":
-        """Check that this draft fits ``target`` and read token embeddings from it from now on."""
-        self.validate_target(target.config)
-        self.__dict__["_target_embedding"] = target.get_input_embeddings()
-        return self
 
     def validate_target(self, target_config) -> tuple[int, ...]:
         """Raise a ValueError if the draft cannot serve a target with this config; return the tap ids."""
@@ -422,49 +293,53 @@ class Eagle3DraftModel(PreTrainedModel):
         return ids
 
     @property
-    def target_embedding(self) -> nn.Module:
-        if self._target_embedding is None:
-            raise RuntimeError(
-                "This draft is not bound to a target: call `draft.bind_target(target)` (or pass `target=` to "
-                "`from_pretrained`); the draft reads token embeddings from the target."
-            )
-        return self._target_embedding
-
-    @property
     def decoder_layers(self) -> list[Eagle3DecoderLayer]:
         return [self.midlayer, *self.layers.values()]
 
-    @property
-    def draft_to_target_ids(self) -> torch.Tensor:
-        """Target id of every draft id, ``[draft_vocab_size]``."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+    # ------------------------------------------------------------------ the drafter interface
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
+    def tap_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        return self.resolved_aux_layer_ids(num_target_layers)
 
-    @torch.no_grad()
-    def teacher_logits(
-        self, final_hidden: torch.Tensor, output_weight: torch.Tensor, *, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """The target's logits over this draft's vocabulary, the TTT's teacher (docs/design.md section 2).
+    @classmethod
+    def training_options(cls, args: Any) -> Eagle3TrainingOptions:
+        """The TTT's K and step weights: ``ttt_steps`` and ``ttt_step_weight_decay`` of a `SpecCoTrainConfig`,
+        ``ttt_steps`` and ``step_weight_decay`` of a `DraftTrainingConfig`."""
+        decay = getattr(args, "ttt_step_weight_decay", None)
+        return Eagle3TrainingOptions(
+            ttt_steps=args.ttt_steps, step_weight_decay=args.step_weight_decay if decay is None else decay
+        )
 
-        ``final_hidden`` is the target's final-norm output, ``output_weight`` its lm_head weight (gathered first when
-        FSDP2 shards it); the product is computed in ``dtype`` (default: the weight's), outside any autocast.
-        Unscaled: rollouts apply the temperature to the draft and the target alike.
-        """
-        if hasattr(output_weight, "full_tensor"):
-            output_weight = output_weight.full_tensor()
-        rows = output_weight.detach()[self.draft_to_target_ids.to(output_weight.device)]
-        dtype = rows.dtype if dtype is None else dtype
-        with torch.autocast(final_hidden.device.type, enabled=False):
-            return final_hidden.to(dtype) @ rows.to(dtype).T
+    def training_loss(
+        self,
+        batch: DraftTrainingBatch,
+        options: Eagle3TrainingOptions,
+        *,
+        cp_group: dist.ProcessGroup | None = None,
+        generator: torch.Generator | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> DraftLossOutput:
+        """The K-step training-time-test loss (`ttt_loss`, docs/design.md section 4); EAGLE-3 draws nothing at
+        random, so ``generator`` is unused."""
+        return ttt_loss(
+            self,
+            aux_hidden_states=batch.aux_hidden_states,
+            input_embeds=batch.input_embeds,
+            teacher_logits=batch.teacher_logits,
+            loss_mask=batch.loss_mask,
+            attention_mask=batch.attention_mask,
+            cu_seqlens=batch.cu_seqlens,
+            ttt_steps=options.ttt_steps,
+            step_weight_decay=options.step_weight_decay,
+            cp_group=cp_group,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+
+    @classmethod
+    def vllm_speculative_config(cls, model: str, num_speculative_tokens: int) -> dict[str, Any]:
+        return {"method": cls.vllm_method, "model": model, "num_speculative_tokens": num_speculative_tokens}
 
     # ------------------------------------------------------------------ the four-call interface
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Target token embeddings, detached: the draft never trains the policy's embedding."""
-        weight = self.target_embedding.weight.detach()
-        return F.embedding(input_ids.to(weight.device), weight).to(self.fc.weight.dtype)
 
     def project_hidden_states(self, aux_hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """``g = fc(concat(taps))``; taps as one ``[..., n * target_hidden]`` tensor or a sequence of ``n``."""
@@ -546,40 +421,6 @@ class Eagle3DraftModel(PreTrainedModel):
         return Eagle3DraftOutput(
             logits=self.compute_logits(hidden_states), hidden_states=hidden_states, past_key_values=past_key_values
         )
-
-
-def _check_folder_or_repo_id(name) -> None:
-    """A name that is no local folder goes to the Hub; when it cannot be a repo id either, say so in words (rather than
-    huggingface_hub's "Repo id must be in the form ...")."""
-    if os.path.isdir(name):
-        return
-    try:
-        validate_repo_id(os.fspath(name))
-    except HFValidationError:
-        path = Path(name).resolve()
-        problem = f"{path} is a file, not a folder" if path.exists() else f"no such folder: {path}"
-        raise FileNotFoundError(
-            f"The draft checkpoint {os.fspath(name)!r} is neither a local folder ({problem}) nor a Hub repo id "
-            "('name' or 'namespace/name'). Pass the folder `save_pretrained` wrote (config.json and safetensors "
-            "weights), or a Hub repo id."
-        ) from None
-
-
-def _checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> list[str]:
-    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index."""
-    kwargs = {
-        key: hub_kwargs[key]
-        for key in ("cache_dir", "revision", "token", "subfolder", "local_files_only")
-        if key in hub_kwargs
-    }
-    single = cached_file(
-        pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **kwargs
-    )
-    if single is not None:
-        return [single]
-    index = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_INDEX_NAME, **kwargs)
-    shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
-    return [cached_file(pretrained_model_name_or_path, shard, **kwargs) for shard in shards]
 
 
 def causal_slot_mask(slot_mask: torch.Tensor, length: int, *, window: int | None = None) -> torch.Tensor:

@@ -36,9 +36,10 @@ from typing import Any, ClassVar
 import torch
 from transformers.utils import logging
 
+from ..draft import Eagle3DraftModel
 from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSet, WeightSyncError, check_weight_set
 from .vllm_cpu_repair import SAMPLING_REPAIRS
-from .vllm_layout import DraftNames, ModelLayout, PolicyNames
+from .vllm_layout import ModelLayout, PolicyNames, WeightNames
 from .vllm_worker import describe_models, find_mismatches, load_draft_weights, load_policy_weights, read_params
 
 
@@ -367,9 +368,9 @@ class VLLMRolloutEngine:
         if which == "draft" and not self.has_draft:
             raise ValueError(no_draft)
 
-    def _names(self, which: WeightSet) -> PolicyNames | DraftNames:
+    def _names(self, which: WeightSet) -> WeightNames:
         if which == "draft":
-            return DraftNames()
+            return Eagle3DraftModel.vllm_weight_names
         layout = self._layouts["policy"]
         return PolicyNames(tie_word_embeddings=layout.tie_word_embeddings, architecture=layout.architecture)
 

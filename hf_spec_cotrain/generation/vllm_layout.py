@@ -1,19 +1,20 @@
 """How a policy's or a draft's checkpoint tensors map onto a vLLM model's parameters, and the check of a whole set.
 
 vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, drops a tied lm_head, names MoE experts, some
-families' tensors (gpt-oss) and the EAGLE-3 draft's tensors its own way and transposes gpt-oss's experts; a sync is
-checked against the layout below before anything reaches vLLM. The layout itself
-is described inside vLLM's worker (`vllm_worker.describe_models`), but everything here is plain PyTorch, so it
-imports and is tested without vLLM.
+families' tensors (gpt-oss) and a draft's tensors (each drafter family's `vllm_weight_names`) its own way and
+transposes gpt-oss's experts; a sync is checked against the layout below before anything reaches vLLM. The layout
+itself is described inside vLLM's worker (`vllm_worker.describe_models`), but everything here is plain PyTorch, so
+it imports and is tested without vLLM.
 """
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
-__all__ = ["DraftNames", "ModelLayout", "ParamShape", "PolicyNames"]
+__all__ = ["ModelLayout", "ParamShape", "PolicyNames", "WeightNames"]
 
 
 # vLLM's fused-MoE layer holds the experts that transformers keeps fused in memory (`gate_up_proj`, `down_proj`)
@@ -106,36 +107,25 @@ class PolicyNames:
                 reloaded.append((name, tensor))
         return reloaded, copied
 
-
-class DraftNames:
-    """EAGLE-3 checkpoint names (docs/design.md section 3) as vLLM's `Eagle3LlamaForCausalLM.load_weights` maps
-    them."""
-
     @staticmethod
-    def to_vllm(name: str) -> str | None:
-        if name == "t2d":
-            return None
-        if name == "d2t":
-            return "draft_id_to_target_id"
-        if name.startswith("lm_head."):
-            return name
-        return "model." + name.replace("midlayer.", "layers.0.", 1)
-
-    @staticmethod
-    def relayout(vllm_name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """vLLM holds the draft's tensors as the checkpoint does."""
-        return tensor
-
-    @staticmethod
-    def to_checkpoint(vllm_name: str) -> str:
-        if vllm_name == "draft_id_to_target_id":
-            return "d2t"
-        if vllm_name.startswith("lm_head."):
-            return vllm_name
-        return vllm_name.removeprefix("model.").replace("layers.0.", "midlayer.", 1)
+    def unknown_problems(unknown: list[str]) -> list[str]:
+        return []
 
 
-def _hf_shape(names: PolicyNames | DraftNames, vllm_name: str, shape: Sequence[int]) -> list[int]:
+class WeightNames(Protocol):
+    """How one model's checkpoint tensors are named and laid out in vLLM: `PolicyNames`, or a draft family's
+    (`DraftModel.vllm_weight_names`)."""
+
+    def to_vllm(self, name: str) -> str | None: ...
+
+    def to_checkpoint(self, vllm_name: str) -> str: ...
+
+    def relayout(self, vllm_name: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def unknown_problems(self, unknown: list[str]) -> list[str]: ...
+
+
+def _hf_shape(names: WeightNames, vllm_name: str, shape: Sequence[int]) -> list[int]:
     """A shape in vLLM's layout as the checkpoint tensor has it, for messages."""
     return list(names.relayout(vllm_name, torch.empty(tuple(shape), device="meta")).shape)
 
@@ -166,7 +156,7 @@ class ModelLayout:
         parent, _, module = module_path.rpartition(".")
         return parent, module, leaf
 
-    def checkpoint_names(self, vllm_name: str, names: PolicyNames | DraftNames) -> list[str]:
+    def checkpoint_names(self, vllm_name: str, names: WeightNames) -> list[str]:
         """The checkpoint tensors that make up a vLLM parameter (several for a fused one)."""
         parent, module, leaf = self._split(vllm_name)
         if module not in self.packed_modules:
@@ -179,7 +169,7 @@ class ModelLayout:
         self,
         weights: list[tuple[str, torch.Tensor]],
         *,
-        names: PolicyNames | DraftNames,
+        names: WeightNames,
         what: str,
         complete: bool = True,
     ) -> dict[str, torch.Tensor]:
@@ -212,12 +202,7 @@ class ModelLayout:
         problems = []
         if unknown:
             problems.append(f"no {what} parameter in vLLM for: {', '.join(unknown)}")
-            if isinstance(names, DraftNames) and "lm_head.weight" in unknown:
-                problems.append(
-                    "vLLM shares the target's lm_head with a draft whose lm_head equals the target's when the engine "
-                    "starts (a full-vocabulary draft fresh from `from_target`), so it cannot be synced on its own: "
-                    "start the engine from a draft folder whose lm_head differs"
-                )
+            problems.extend(names.unknown_problems(unknown))
         if duplicated:
             problems.append(f"given more than once: {', '.join(duplicated)}")
         missing = [

@@ -25,10 +25,10 @@ from accelerate.utils import gather
 from transformers import TrainerCallback, get_scheduler
 from transformers.utils import logging
 
-from ..draft import Eagle3DraftModel
+from ..draft import DraftLossOutput, Eagle3DraftModel
+from ..draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY, ttt_loss
 from ..parallel.comm import all_reduce_gradients
 from ..taps import Taps
-from ..ttt import DEFAULT_STEP_WEIGHT_DECAY, TTTOutput, ttt_loss
 from .timing import StepTimes
 
 
@@ -184,7 +184,7 @@ class DraftCoTrainer:
         teacher_logits: torch.Tensor,
         settings: DraftStepSettings,
         cp_group: dist.ProcessGroup | None = None,
-    ) -> TTTOutput:
+    ) -> DraftLossOutput:
         """The draft's TTT loss on one forward's taps, under the settings' autocast (``cp_group``: that of packed
         documents' shards); no backward: evaluation runs this alone."""
         with settings.autocast(recorded.taps.aux_hidden_states.device.type):
@@ -211,7 +211,7 @@ class DraftCoTrainer:
         settings: DraftStepSettings,
         loss_scale: float = 1.0,
         cp_group: dist.ProcessGroup | None = None,
-    ) -> tuple[TTTOutput, torch.Tensor]:
+    ) -> tuple[DraftLossOutput, torch.Tensor]:
         """The draft's micro-step: `ttt_forward`, then the backward of its loss times ``loss_scale`` into the
         draft's gradients, skipped when the loss is not finite. Returns the output and the whole loss that decided
         (under context parallelism the global one, so that every rank of the group decides alike: a backward on some
@@ -228,7 +228,7 @@ class DraftCoTrainer:
             (out.loss * loss_scale).backward()
         return out, total_loss
 
-    def record_metrics(self, out: TTTOutput | None, total_loss: torch.Tensor | None = None) -> None:
+    def record_metrics(self, out: DraftLossOutput | None, total_loss: torch.Tensor | None = None) -> None:
         """Keep one micro-step's metrics for the next `update`; a placeholder row where another rank trained the
         draft (pipeline parallelism: the owner broadcasts its rows)."""
         if out is None:

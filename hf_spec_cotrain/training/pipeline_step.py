@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+from ..draft import DraftLossOutput
 from ..losses import (
     check_grpo_loss_type,
     completion_loss_mask,
@@ -48,7 +49,6 @@ from ..parallel.pipeline import (
 )
 from ..parallel.tap_channel import TapChannel
 from ..taps import Taps, decoder_of, validate_aux_layer_ids
-from ..ttt import TTTOutput
 from ..validation import check_int
 from .draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps
 
@@ -99,12 +99,12 @@ class PipelineStepOutput:
     """What one step leaves on this rank: losses on the last stage (None elsewhere).
 
     ``policy_loss`` is the GRPO loss of the whole batch (the sum of the micro-batch losses, each normalised by the
-    whole batch's normaliser), ``draft`` the draft's `TTTOutput` (its loss was backpropagated, times
+    whole batch's normaliser), ``draft`` the draft's `DraftLossOutput` (its loss was backpropagated, times
     ``draft_loss_scale``), None without co-training.
     """
 
     policy_loss: torch.Tensor | None = None
-    draft: TTTOutput | None = None
+    draft: DraftLossOutput | None = None
 
 
 class PipelineCoTrainStep:
@@ -494,7 +494,7 @@ class PipelineCoTrainStep:
         )
         return recorded, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
 
-    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> TTTOutput:
+    def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> DraftLossOutput:
         recorded, teacher = self._draft_inputs(batch, attention_mask)
         out, _ = DraftCoTrainer.ttt_micro_step(
             self.draft, recorded, teacher_logits=teacher, settings=self.draft_settings, loss_scale=scale

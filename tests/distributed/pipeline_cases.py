@@ -5,11 +5,11 @@ import torch
 
 from hf_spec_cotrain import Eagle3DraftModel
 from hf_spec_cotrain.draft import count_tokens
+from hf_spec_cotrain.draft.eagle3_ttt import ttt_loss
 from hf_spec_cotrain.losses import grpo_loss, grpo_per_token_logps
 from hf_spec_cotrain.taps import TapRecorder
 from hf_spec_cotrain.testing import build_tiny_target
 from hf_spec_cotrain.training.pipeline_step import GRPOBatch
-from hf_spec_cotrain.ttt import ttt_loss
 
 
 POLICY_KWARGS = dict(
@@ -78,7 +78,7 @@ def make_batch(seed: int, *, rows: int = 8, prompt_length: int = 5, completion_l
 
 def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_IDS, reference=None):
     """One process, whole model: the policy's GRPO loss (with a KL term of weight `BETA` to `reference`, when given)
-    and the draft's `TTTOutput`, both backpropagated."""
+    and the draft's `DraftLossOutput`, both backpropagated."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     completion_length = batch.completion_ids.shape[1]

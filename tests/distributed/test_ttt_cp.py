@@ -8,9 +8,9 @@ from process_pool import subgroup
 
 from hf_spec_cotrain import Eagle3DraftModel, ttt_loss
 from hf_spec_cotrain.draft import count_tokens
+from hf_spec_cotrain.draft.eagle3_ttt import _document_end, _shift_within_documents
 from hf_spec_cotrain.parallel import ZigzagHalo, all_reduce_gradients, pad_documents, zigzag_shard
 from hf_spec_cotrain.testing import build_tiny_target
-from hf_spec_cotrain.ttt import _document_end, _shift_within_documents
 
 
 POOL_WORLD_SIZE = 4

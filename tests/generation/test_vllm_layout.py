@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_spec_cotrain.generation.vllm_layout import DraftNames, ModelLayout, ParamShape, PolicyNames
+from hf_spec_cotrain.draft.eagle3_vllm import DraftNames
+from hf_spec_cotrain.generation.vllm_layout import ModelLayout, ParamShape, PolicyNames
 
 
 GATE_UP = "model.layers.0.mlp.gate_up_proj.weight"

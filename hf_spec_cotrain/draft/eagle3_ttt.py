@@ -14,29 +14,32 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from .attention import branch_attention
-from .attention.masks import document_ids, positions_in_document
-from .draft import Eagle3DraftModel
-from .losses import head_soft_cross_entropy
-from .parallel.halo import ZigzagHalo
-from .validation import check_int, contiguous_row_spans
+from ..attention import branch_attention
+from ..attention.masks import document_ids, positions_in_document
+from ..losses import head_soft_cross_entropy
+from ..parallel.halo import ZigzagHalo
+from ..validation import check_int, contiguous_row_spans
+from .base import DraftLossOutput, DraftModel
 
 
 DEFAULT_STEP_WEIGHT_DECAY = 0.8
 
 
-@dataclass
-class TTTOutput:
-    """The weighted loss to backpropagate, and per-step metrics (detached, shape ``[K]``)."""
+@dataclass(frozen=True)
+class Eagle3TrainingOptions:
+    """EAGLE-3's objective settings: ``ttt_steps`` unrolled steps, step ``d``'s loss weighted ``step_weight_decay**d``."""
 
-    loss: torch.Tensor
-    step_losses: torch.Tensor
-    step_accuracies: torch.Tensor
-    step_counts: torch.Tensor
+    ttt_steps: int = 3
+    step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY
+
+
+def ttt_step_weights(ttt_steps: int, step_weight_decay: float, *, device=None) -> torch.Tensor:
+    """``[K]``: ``w_d = step_weight_decay ** d``."""
+    return step_weight_decay ** torch.arange(ttt_steps, device=device)
 
 
 def ttt_loss(
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     *,
     aux_hidden_states: torch.Tensor | Sequence[torch.Tensor],
     teacher_logits: torch.Tensor,
@@ -50,9 +53,10 @@ def ttt_loss(
     step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY,
     cp_group: dist.ProcessGroup | None = None,
     gradient_checkpointing: bool = False,
-) -> TTTOutput:
+) -> DraftLossOutput:
     r"""
-    The K-step TTT loss: ``sum_d w_d * mean_{counted}(-sum p_teacher log q_draft)`` with ``w_d = decay**d``.
+    The K-step TTT loss of an EAGLE-3 draft (`Eagle3DraftModel`): ``sum_d w_d * mean_{counted}(-sum p_teacher log
+    q_draft)`` with ``w_d = decay**d``.
 
     Step 0 runs on every position (its keys are the trunk); steps 1.. run only on the positions whose outputs
     still reach a counted loss (a position's output feeds only its own next step), e.g. not on the prompt when
@@ -200,7 +204,13 @@ def ttt_loss(
         shares = torch.stack([step_losses, step_accuracies])
         dist.all_reduce(shares, group=cp_group)
         step_losses, step_accuracies, step_counts = shares[0], shares[1], total_counts
-    return TTTOutput(loss=total, step_losses=step_losses, step_accuracies=step_accuracies, step_counts=step_counts)
+    return DraftLossOutput(
+        loss=total,
+        step_losses=step_losses,
+        step_accuracies=step_accuracies,
+        step_counts=step_counts,
+        step_weights=ttt_step_weights(ttt_steps, step_weight_decay, device=step_losses.device),
+    )
 
 
 def left_align_rows(
