@@ -12,6 +12,8 @@ from .version import __version__
 
 __all__ = [
     "AdaptiveSpeculation",
+    "DFlashDraftConfig",
+    "DFlashDraftModel",
     "DraftLossOutput",
     "DraftModel",
     "DraftTrainingConfig",
@@ -35,6 +37,8 @@ __all__ = [
 
 _MODULE_OF = {
     "AdaptiveSpeculation": "generation.adaptive",
+    "DFlashDraftConfig": "draft",
+    "DFlashDraftModel": "draft",
     "DraftLossOutput": "draft",
     "DraftModel": "draft",
     "DraftTrainingConfig": "warmstart",
@@ -58,7 +62,15 @@ _MODULE_OF = {
 if TYPE_CHECKING:
     from .attention import block_draft_attention, branch_attention
     from .config import SpecCoTrainConfig
-    from .draft import DraftLossOutput, DraftModel, Eagle3DraftConfig, Eagle3DraftModel, ttt_loss
+    from .draft import (
+        DFlashDraftConfig,
+        DFlashDraftModel,
+        DraftLossOutput,
+        DraftModel,
+        Eagle3DraftConfig,
+        Eagle3DraftModel,
+        ttt_loss,
+    )
     from .generation.adaptive import AdaptiveSpeculation
     from .generation.decoder import SpeculativeOutput
     from .generation.speculative import speculative_generate
