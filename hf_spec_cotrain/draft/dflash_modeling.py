@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
@@ -24,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from ..attention import block_draft_attention
 from ..attention.masks import positions_in_document
 from ..validation import check_int
-from .base import DraftModel
+from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
 from .dflash_configuration import (
     DEFAULT_BLOCK_SIZE,
     DFLASH_ARCHITECTURE,
@@ -33,6 +34,7 @@ from .dflash_configuration import (
     default_target_layer_ids,
     validate_target_layer_ids,
 )
+from .dflash_objective import DFlashTrainingOptions, dflash_loss
 from .dflash_vllm import DFlashNames
 from .target_fields import draft_layer_fields
 from .vocab import select_draft_vocab
@@ -316,6 +318,29 @@ class DFlashDraftModel(DraftModel):
 
         embeds = self.block_embeddings(anchor_embeds, block_size).flatten(1, 2)
         return self.backbone(embeds, block_positions, attend).unflatten(1, (num_anchors, block_size))
+
+    # ------------------------------------------------------------------ training
+
+    @classmethod
+    def training_options(cls, args: Any) -> DFlashTrainingOptions:
+        """Anchors per row and the loss decay: ``dflash_anchors_per_row``, ``dflash_loss_decay_gamma`` of a
+        `SpecCoTrainConfig` or `DraftTrainingConfig` (DFlash's defaults where the config has no such field)."""
+        return DFlashTrainingOptions.from_args(args)
+
+    def training_loss(
+        self,
+        batch: DraftTrainingBatch,
+        options: DFlashTrainingOptions,
+        *,
+        cp_group: dist.ProcessGroup | None = None,
+        generator: torch.Generator | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> DraftLossOutput:
+        """Blocks at anchors sampled with ``generator`` inside the counted tokens, all rows in one forward, soft
+        cross-entropy to the policy at every block position (`dflash_loss`, docs/design.md section 4b)."""
+        return dflash_loss(
+            self, batch, options, cp_group=cp_group, generator=generator, gradient_checkpointing=gradient_checkpointing
+        )
 
     # ------------------------------------------------------------------ serving
 
