@@ -43,7 +43,7 @@ def train_draft_parser():
 
     from .warmstart import DraftTrainingConfig
 
-    description = "Warm-start an EAGLE-3 draft for a target on a dataset (taps computed on the fly)."
+    description = "Warm-start a draft of the `--drafter` family for a target on a dataset (taps computed on the fly)."
     return TrlParser(
         (TrainDraftScriptArguments, DraftTrainingConfig), prog="hf-spec-cotrain train-draft", description=description
     )
@@ -345,7 +345,7 @@ COMMANDS = {
         grpo_main,
         "Run GRPO with a co-trained draft against plain GRPO (the main job; launches with accelerate).",
     ),
-    "train-draft": (train_draft_main, "Warm-start an EAGLE-3 draft for a target on a dataset."),
+    "train-draft": (train_draft_main, "Warm-start a draft (`--drafter`) for a target on a dataset."),
     "export-draft": (export_draft_main, "Convert a draft between vLLM's EAGLE-3 layout and the speculators format."),
     "vllm-serve": (vllm_serve_main, "Serve speculative rollouts (policy + EAGLE-3 draft) with weight updates."),
 }

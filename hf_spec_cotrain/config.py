@@ -10,6 +10,7 @@ import torch
 from accelerate.parallelism_config import ParallelismConfig
 from trl import GRPOConfig
 
+from .draft import DEFAULT_DRAFTER, DRAFTER_FAMILIES, drafter_family
 from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.compatibility import launcher_fsdp_version
@@ -31,9 +32,12 @@ class SpecCoTrainConfig(GRPOConfig):
     Parameters:
         > Parameters that control how the draft starts
 
+        drafter (`str`, *optional*, defaults to `"eagle3"`):
+            The drafter family (`hf_spec_cotrain.draft.DRAFTER_FAMILIES`): `"eagle3"`, the EAGLE-3 head trained by
+            training-time test.
         draft_model_name_or_path (`str`, *optional*):
-            An EAGLE-3 draft checkpoint (folder or Hub id, safetensors) to start from. When unset a draft is built
-            from the policy with the three options below.
+            A draft checkpoint of the `drafter` family (folder or Hub id, safetensors) to start from. When unset a
+            draft is built from the policy with the three options below.
         draft_num_layers (`int`, *optional*, defaults to `1`):
             Decoder layers of a draft built from the policy.
         draft_vocab_size (`int`, *optional*):
@@ -157,9 +161,16 @@ class SpecCoTrainConfig(GRPOConfig):
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS
 
+    drafter: str = field(
+        default=DEFAULT_DRAFTER,
+        metadata={"help": "The drafter family.", "choices": list(DRAFTER_FAMILIES)},
+    )
     draft_model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "EAGLE-3 draft checkpoint (folder or Hub id) to start from; unset: build from the policy."},
+        metadata={
+            "help": "Draft checkpoint (folder or Hub id) of the `drafter` family to start from; unset: build from the "
+            "policy."
+        },
     )
     draft_num_layers: int = field(default=1, metadata={"help": "Decoder layers of a draft built from the policy."})
     draft_vocab_size: int | None = field(
@@ -280,6 +291,7 @@ class SpecCoTrainConfig(GRPOConfig):
             self.num_speculative_tokens = int(self.num_speculative_tokens)  # from the command line
         if self.num_speculative_tokens != "auto":
             check_int(self.num_speculative_tokens, "num_speculative_tokens", hint=" or 'auto'")
+        drafter_family(self.drafter)
         check_int(self.ttt_steps, "ttt_steps")
         if self.max_speculative_tokens is None:
             self.max_speculative_tokens = self.ttt_steps

@@ -40,7 +40,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from .config import SpecCoTrainConfig
-from .draft import Eagle3DraftModel, count_tokens
+from .draft import DraftModel, check_draft_family, count_tokens, drafter_family, load_draft
 from .draft.card import CoTrainingRecord, model_license, render_draft_card
 from .draft.upload import push_draft_folder
 from .parallel.dims import ParallelDims
@@ -83,13 +83,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     Args:
         model, reward_funcs, args, ...: as for [`~trl.GRPOTrainer`]; ``args`` is a [`SpecCoTrainConfig`].
-        draft_model ([`Eagle3DraftModel`], *optional*):
-            The draft to co-train. Default: loaded from ``args.draft_model_name_or_path``, or built from the
-            policy (``draft_num_layers``, ``draft_vocab_size`` from the training prompts' token counts,
-            ``aux_layer_ids``).
+        draft_model ([`DraftModel`], *optional*):
+            The draft to co-train, of the ``args.drafter`` family. Default: loaded from
+            ``args.draft_model_name_or_path``, or built from the policy by the family's `from_target`
+            (``draft_vocab_size`` from the training prompts' token counts, the family's own options from ``args``:
+            `from_target_options`).
     """
 
-    _tag_names = ["trl", "grpo", "hf_spec_cotrain", "eagle3"]
+    _tag_names = ["trl", "grpo", "hf_spec_cotrain"]  # and the draft's family (`drafter_name`), added once built
     _saving_checkpoint = False  # True inside `_save_checkpoint`: `save_model` then writes the draft too
 
     def __init__(self, model, reward_funcs=None, args: SpecCoTrainConfig | None = None, *, draft_model=None, **kwargs):
@@ -154,6 +155,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             )
         self._share_weights_read_on_rank_zero()
         self.draft = self._build_draft(draft_model)
+        self._tag_names = [*self._tag_names, self.draft.drafter_name]
+        self._policy().add_model_tags([self.draft.drafter_name])
         self.aux_layer_ids = self.draft.validate_target(self._policy().config)
         self.step_times = StepTimes(self._metrics)
         self.draft_cotrainer = DraftCoTrainer(
@@ -319,9 +322,10 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         """`model` (the policy or the reference model) as a HF causal LM, PEFT and DDP wrappers removed."""
         return unwrapped_hf(self.accelerator, model)
 
-    def _build_draft(self, draft_model: Eagle3DraftModel | None) -> Eagle3DraftModel:
+    def _build_draft(self, draft_model: DraftModel | None) -> DraftModel:
         args = self.args
         policy = self._policy()
+        family = drafter_family(args.drafter)
         # Every rank starts from the source's draft. A fresh draft's lm_head starts from the policy's, which under
         # pipeline parallelism only the last stage holds: that stage builds it and sends its config to the others.
         source = self.accelerator.num_processes - 1 if self.parallel_dims.pp_enabled else 0
@@ -330,15 +334,15 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             if draft_model is not None:
+                check_draft_family(draft_model, args.drafter)
                 draft = draft_model
             elif args.draft_model_name_or_path is not None:
-                draft = Eagle3DraftModel.from_pretrained(args.draft_model_name_or_path)
+                draft = load_draft(args.draft_model_name_or_path, args.drafter)
             elif not sent_config or self.accelerator.process_index == source:
                 counts = self._prompt_token_counts() if args.draft_vocab_size is not None else None
-                draft = Eagle3DraftModel.from_target(
+                draft = family.from_target(
                     policy,
-                    num_layers=args.draft_num_layers,
-                    aux_layer_ids=args.aux_layer_ids,
+                    **family.from_target_options(args),
                     draft_vocab_size=args.draft_vocab_size,
                     token_counts=counts,
                 )
@@ -346,7 +350,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 config = [draft.config if self.accelerator.process_index == source else None]
                 dist.broadcast_object_list(config, src=source)
                 if self.accelerator.process_index != source:
-                    draft = Eagle3DraftModel(config[0])
+                    draft = family(config[0])
         draft.bind_target(policy)
         draft.to(device=self.accelerator.device, dtype=torch.float32)  # fp32 master weights for a small head
         draft.train()
@@ -510,7 +514,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 "fresh draft, with a fresh optimizer."
             )
             return
-        loaded = Eagle3DraftModel.from_pretrained(Path(checkpoint) / DRAFT_FOLDER)
+        loaded = load_draft(Path(checkpoint) / DRAFT_FOLDER, self.args.drafter)
         self.draft.load_state_dict(loaded.state_dict())
         state = torch.load(Path(checkpoint) / DRAFT_STATE_FILE, map_location="cpu", weights_only=True)
         self.draft_cotrainer.load_state_dict(state)
@@ -555,7 +559,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             repo_id,
             token=self.args.hub_token,
             private=private,
-            commit_message=f"Co-trained EAGLE-3 draft, step {self.state.global_step}",
+            commit_message=f"Co-trained {self.draft.display_name} draft, step {self.state.global_step}",
         )
 
     @property

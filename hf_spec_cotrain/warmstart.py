@@ -16,7 +16,15 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, SchedulerType
 
-from .draft import DraftLossOutput, Eagle3DraftModel, count_tokens
+from .draft import (
+    DEFAULT_DRAFTER,
+    DRAFTER_FAMILIES,
+    DraftLossOutput,
+    Eagle3DraftModel,
+    check_draft_family,
+    count_tokens,
+    drafter_family,
+)
 from .draft.card import WarmStartRecord, model_license, render_draft_card
 from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .taps import TapRecorder
@@ -27,10 +35,10 @@ from .validation import check_int
 @dataclass
 class DraftTrainingConfig:
     r"""
-    Configuration of [`train_draft`], the offline warm start of an EAGLE-3 draft.
+    Configuration of [`train_draft`], the offline warm start of a draft.
 
     Parameters that control the draft:
-        num_layers, aux_layer_ids, draft_vocab_size
+        drafter, num_layers, aux_layer_ids, draft_vocab_size
     Parameters that control the objective:
         ttt_steps, step_weight_decay, max_length
     Parameters that control optimisation:
@@ -48,6 +56,9 @@ class DraftTrainingConfig:
         metadata={
             "help": "Hub repository the draft will be pushed to: its model card names it (default: the folder)."
         },
+    )
+    drafter: str = field(
+        default=DEFAULT_DRAFTER, metadata={"help": "The drafter family.", "choices": list(DRAFTER_FAMILIES)}
     )
     num_layers: int = field(default=1, metadata={"help": "Decoder layers of a new draft."})
     aux_layer_ids: list[int] | None = field(
@@ -87,6 +98,7 @@ class DraftTrainingConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the split, the shuffling and the draft's init."})
 
     def __post_init__(self):
+        drafter_family(self.drafter)
         for name in ("num_layers", "ttt_steps", "batch_size", "eval_steps", "logging_steps"):
             check_int(getattr(self, name), name)
         if self.max_length < 2:
@@ -303,15 +315,16 @@ def train_draft(
     eval_set = [sequences[i] for i in order[:num_eval]]
     train_set = [sequences[i] for i in order[num_eval:]]
 
+    family = drafter_family(config.drafter)
     if draft is None:
         counts = count_tokens(train_set, target.config.get_text_config().vocab_size)
-        draft = Eagle3DraftModel.from_target(
+        draft = family.from_target(
             target,
-            num_layers=config.num_layers,
-            aux_layer_ids=config.aux_layer_ids,
+            **family.from_target_options(config),
             draft_vocab_size=config.draft_vocab_size,
             token_counts=counts,
         )
+    check_draft_family(draft, config.drafter)
     draft.bind_target(target)
     draft.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

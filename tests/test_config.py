@@ -49,6 +49,10 @@ def test_config_rejects_bad_draft_options(tmp_path, options, match):
     _rejected(tmp_path, options, match)
 
 
+def test_config_rejects_a_drafter_that_is_no_registered_family(tmp_path):
+    _rejected(tmp_path, {"drafter": "medusa"}, r"`drafter`='medusa' is not a drafter family: use one of 'eagle3'")
+
+
 def test_trainer_rejects_a_config_that_is_not_a_spec_cotrain_config(tmp_path):
     with pytest.raises(ValueError, match="SpecCoTrainConfig"):
         SpecCoTrainGRPOTrainer(

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import Eagle3DraftModel, SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.draft import DRAFTER_FAMILIES
 from hf_spec_cotrain.parallel import ParallelDims
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 
@@ -299,6 +300,20 @@ def test_failed_speculative_rollout_falls_back_to_plain_generation(policy_dir, t
     assert [entry.get("spec/fallback") for entry in trainer.state.log_history[:4]] == [1.0] * 4
     errors = [record for record in caplog.records if record.levelname == "ERROR"]
     assert len(errors) == 1 and "WITHOUT speculation" in errors[0].getMessage()
+
+
+def test_a_draft_of_another_family_than_drafter_is_refused_at_build(policy_dir, tmp_path, monkeypatch):
+    class OtherDraft(Eagle3DraftModel):
+        drafter_name = "other"
+        checkpoint_architecture = "OtherDraftModel"
+
+    monkeypatch.setitem(DRAFTER_FAMILIES, "other", OtherDraft)
+    draft = Eagle3DraftModel.from_target(build_tiny_target("llama", num_layers=8))
+    with pytest.raises(ValueError, match=r"`draft_model` is a 'eagle3' draft .*, but `drafter`='other'"):
+        _trainer(policy_dir, _config(tmp_path, drafter="other"), draft_model=draft)
+    OtherDraft(draft.config).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"is a 'other' draft, but `drafter`='eagle3'"):
+        _trainer(policy_dir, _config(tmp_path, draft_model_name_or_path=str(tmp_path / "other")))
 
 
 def test_a_policy_the_hf_native_generator_cannot_verify_is_refused_at_start(tmp_path):

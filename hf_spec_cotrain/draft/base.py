@@ -67,6 +67,16 @@ class DraftLossOutput:
     step_weights: torch.Tensor
 
 
+def config_field(args: Any, *names: str) -> Any:
+    """The value of the first of ``names`` that ``args`` has: `SpecCoTrainConfig` and `DraftTrainingConfig` name a
+    few draft fields apart (``draft_num_layers`` / ``num_layers``), and a family's `training_options` and
+    `from_target_options` read either."""
+    for name in names:
+        if hasattr(args, name):
+            return getattr(args, name)
+    raise AttributeError(f"{type(args).__name__} has none of the fields {', '.join(names)}.")
+
+
 # sample(draft_logits [R, draft_vocab]) -> (target ids [R], the distribution q [R, vocab] they were drawn from, or
 # None for an argmax): the decoder's, which applies the rollout's warpers and random stream.
 SampleFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -172,6 +182,12 @@ class DraftModel(PreTrainedModel):
         """A fresh draft sized for ``target``, bound to it (`bind_target`)."""
 
     @classmethod
+    @abc.abstractmethod
+    def from_target_options(cls, args: Any) -> dict[str, Any]:
+        """The family's own `from_target` options from a `SpecCoTrainConfig` or `DraftTrainingConfig`
+        (``draft_vocab_size`` and ``token_counts``, which every family takes, come from the caller)."""
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
         """Load a draft checkpoint (safetensors only) of this family.
 
@@ -207,6 +223,11 @@ class DraftModel(PreTrainedModel):
         if target is not None:
             draft.bind_target(target)
         return (draft, info) if want_info else draft
+
+    @classmethod
+    def checkpoint_architectures(cls) -> tuple[str, ...]:
+        """The ``architectures`` names in a ``config.json`` that mark a checkpoint of this family."""
+        return (cls.checkpoint_architecture,)
 
     @classmethod
     def _checkpoint_key_mapping(cls) -> dict[str, str] | None:

@@ -27,7 +27,8 @@ DEFAULT_STEP_WEIGHT_DECAY = 0.8
 
 @dataclass(frozen=True)
 class Eagle3TrainingOptions:
-    """EAGLE-3's objective settings: ``ttt_steps`` unrolled steps, step ``d``'s loss weighted ``step_weight_decay**d``."""
+    """EAGLE-3's objective settings: ``ttt_steps`` unrolled steps, step ``d``'s loss weighted
+    ``step_weight_decay**d``."""
 
     ttt_steps: int = 3
     step_weight_decay: float = DEFAULT_STEP_WEIGHT_DECAY

@@ -26,14 +26,17 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils import CONFIG_NAME, ModelOutput, logging
 
+from ..attention.decoding import causal_slot_mask
 from ..taps import validate_aux_layer_ids
 from ..validation import check_int
-from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
+from .base import DraftLossOutput, DraftModel, DraftTrainingBatch, config_field
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
+from .eagle3_proposer import Eagle3Proposer
 from .eagle3_ttt import Eagle3TrainingOptions, ttt_loss
 from .eagle3_vllm import DraftNames
 from .speculators_format import (
     CHECKPOINT_FORMATS,
+    SPECULATORS_ARCHITECTURE,
     SPECULATORS_KEY_MAPPING,
     eagle3_tensor_name,
     speculators_config_from_eagle3,
@@ -196,8 +199,16 @@ class Eagle3DraftModel(DraftModel):
 
     @classmethod
     def from_target_options(cls, args: Any) -> dict[str, Any]:
-        """`from_target`'s options from a `SpecCoTrainConfig` (its ``draft_*`` fields)."""
-        return {"num_layers": args.draft_num_layers, "aux_layer_ids": args.aux_layer_ids}
+        """The draft's depth and taps: ``draft_num_layers`` (`SpecCoTrainConfig`) or ``num_layers``
+        (`DraftTrainingConfig`), and ``aux_layer_ids``."""
+        return {
+            "num_layers": config_field(args, "draft_num_layers", "num_layers"),
+            "aux_layer_ids": args.aux_layer_ids,
+        }
+
+    @classmethod
+    def checkpoint_architectures(cls) -> tuple[str, ...]:
+        return (cls.checkpoint_architecture, SPECULATORS_ARCHITECTURE)  # and a speculators checkpoint
 
     @classmethod
     def _checkpoint_key_mapping(cls) -> dict[str, str]:
@@ -291,9 +302,9 @@ class Eagle3DraftModel(DraftModel):
     def training_options(cls, args: Any) -> Eagle3TrainingOptions:
         """The TTT's K and step weights: ``ttt_steps`` and ``ttt_step_weight_decay`` of a `SpecCoTrainConfig`,
         ``ttt_steps`` and ``step_weight_decay`` of a `DraftTrainingConfig`."""
-        decay = getattr(args, "ttt_step_weight_decay", None)
         return Eagle3TrainingOptions(
-            ttt_steps=args.ttt_steps, step_weight_decay=args.step_weight_decay if decay is None else decay
+            ttt_steps=args.ttt_steps,
+            step_weight_decay=config_field(args, "ttt_step_weight_decay", "step_weight_decay"),
         )
 
     def training_loss(
@@ -320,6 +331,10 @@ class Eagle3DraftModel(DraftModel):
             cp_group=cp_group,
             gradient_checkpointing=gradient_checkpointing,
         )
+
+    def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> Eagle3Proposer:
+        """Chain drafting over the draft's own KV cache (`Eagle3Proposer`)."""
+        return Eagle3Proposer(self, embed)
 
     @classmethod
     def vllm_speculative_config(cls, model: str, num_speculative_tokens: int) -> dict[str, Any]:
@@ -407,22 +422,3 @@ class Eagle3DraftModel(DraftModel):
         return Eagle3DraftOutput(
             logits=self.compute_logits(hidden_states), hidden_states=hidden_states, past_key_values=past_key_values
         )
-
-
-def causal_slot_mask(slot_mask: torch.Tensor, length: int, *, window: int | None = None) -> torch.Tensor:
-    """``[B, 1, L, slots]`` bool: the queries of the last ``L`` slots see the slots up to their own that hold real
-    tokens (``slot_mask``, ``[B, slots]`` bool; slot order is time order, so a hole or padding is simply False).
-
-    A ``window`` of ``W`` also hides keys ``W`` or more *real* tokens behind the query (HF's sliding window,
-    ``key_position > query_position - W``): a row's real tokens sit at consecutive positions, so counting kept slots
-    measures the distance and holes never count. A query always sees its own slot, so a padding query gets a finite
-    (ignored) output rather than NaN.
-    """
-    slots = slot_mask.shape[1]
-    key_slot = torch.arange(slots, device=slot_mask.device)
-    query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
-    visible = (key_slot <= query_slot) & slot_mask[:, None, :]
-    if window is not None:
-        real_tokens = slot_mask.long().cumsum(1)  # a real slot's position + 1
-        visible &= real_tokens[:, None, :] > real_tokens[:, -length:, None] - window
-    return (visible | (key_slot == query_slot))[:, None]

@@ -1,12 +1,11 @@
-"""The loop of HF-native speculative decoding with an EAGLE-3 draft: chain drafting and lossless verification, as vLLM
-runs it (`speculative_generate` is its entry point).
+"""The loop of HF-native speculative decoding: the draft's proposals and lossless verification, as vLLM runs it
+(`speculative_generate` is its entry point).
 
 One round of K drafts, per row, after the target has emitted ``x_n`` (position ``n``):
 
-1. The draft catches up on the verified positions it has not seen (those of the last drafting round, and of any
-   plain rounds since), recomputing them from the target's taps; its output at ``n - 1`` proposes ``d_1``, and
-   feeding ``(embed(d_k), h)`` with its own pre-norm output ``h`` at position ``n - 1 + k`` it proposes
-   ``d_2 .. d_K``. Its speculative cache entries are discarded after the round.
+1. The draft proposes ``d_1 .. d_K`` through its family's `DraftProposer` (``draft.new_proposer``), which the loop
+   has told what the target verified since its last proposal (`catch_up`) and which rows remain (`keep_rows`);
+   the proposer keeps the draft's own caches (EAGLE-3: `hf_spec_cotrain.draft.eagle3_proposer`).
 2. One target forward over ``[x_n, d_1 .. d_K]`` scores every proposal; forward hooks (`TapRecorder`) read the taps
    of that same forward.
 3. Each row accepts its own prefix of ``a`` drafts and emits a correction (or, after all ``K``, a bonus) token:
@@ -18,8 +17,9 @@ step that does not run the draft. Any K chosen from the past keeps every round's
 Caches are never cropped: rows accept different numbers of tokens, so a rejected slot becomes a *hole* in a
 ``[B, slots]`` slot mask (0 = hole or padding) and every forward gets explicit per-row ``position_ids`` and the
 causal-by-slot mask of that slot mask (`causal_slot_mask`), which is exactly what holes need; on CPU the target
-attends through `decoding_attention`'s grouped kernel. Finished rows leave the batch, and caches whose holes
-outnumber their kept slots are compacted (keys carry their RoPE rotation, so moving slots changes nothing).
+attends through `decoding_attention`'s grouped kernel (all three in `hf_spec_cotrain.attention.decoding`). Finished
+rows leave the batch, and caches whose holes outnumber their kept slots are compacted (`compact_slots`: keys carry
+their RoPE rotation, so moving slots changes nothing).
 
 Sliding-window layers (gpt-oss, Mistral, interleaved ``layer_types``) get the same mask with the window counted in
 real tokens (`causal_slot_mask`'s ``window``), so holes never take a place in it; a target mixing layer types gets
@@ -38,20 +38,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import LogitsProcessorList, PreTrainedModel
 
-from ..draft import Eagle3DraftModel
-from ..draft.modeling import causal_slot_mask
+from ..attention.decoding import causal_slot_mask, compact_slots
+from ..draft import DraftModel
 from ..taps import TapRecorder
 from ..validation import layer_types
 from .adaptive import SpeculationPolicy
-from .decoding_attention import grouped_attention
 from .linear_attention import LINEAR_ATTENTION, LinearAttentionStates, new_cache, select_rows
 from .verification import greedy_verify, rejection_sample
 
 
-__all__ = ["SpeculativeDecoder", "SpeculativeOutput", "compact_slots", "layer_windows", "target_attention_mask"]
+__all__ = ["SpeculativeDecoder", "SpeculativeOutput", "layer_windows", "target_attention_mask"]
 
 
 @dataclass
@@ -91,7 +89,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: PreTrainedModel,
-        draft: Eagle3DraftModel,
+        draft: DraftModel,
         recorder: TapRecorder,
         linear_states: LinearAttentionStates,
         *,
@@ -135,22 +133,20 @@ class SpeculativeDecoder:
         offsets = torch.arange(k_max + 1, device=device)
         num_draft_tokens, rounds = 0, []
 
-        # Prefill: the target over the prompts (taps by hooks) and its first token. What the draft has not seen yet
-        # (here the prompts) waits in `pending` until a round drafts: rounds of K = 0 never run the draft.
+        # Prefill: the target over the prompts (taps by hooks) and its first token. The proposer learns what the
+        # target verified (here the prompts) and may wait for a round that drafts: rounds of K = 0 never need it.
         slot_mask = attention_mask.to(device=device, dtype=torch.bool)
         positions = (slot_mask.long().cumsum(1) - 1).clamp(min=0)
         self.target_cache, self.target_mask = new_cache(self.text_config), slot_mask
-        self.draft_cache, self.draft_mask = DynamicCache(), slot_mask[:, :0]
+        self.proposer = self.draft.new_proposer(self.embed)
         logits, taps = self.target_forward(input_ids, positions, logits_to_keep=1)
         num_target_forwards = 1
         last_token = self._sample_target(logits[:, -1])
         row_ids = torch.arange(batch, device=device)
         finished = self._emit(row_ids, last_token[:, None], torch.ones_like(last_token))
-        pending = [(torch.cat([input_ids[:, 1:], last_token[:, None]], dim=1), taps, positions, slot_mask)]
+        self.proposer.catch_up(torch.cat([input_ids[:, 1:], last_token[:, None]], dim=1), taps, positions, slot_mask)
         next_position = positions[:, -1] + 1
-        (row_ids, last_token, next_position), pending = self.drop_finished(
-            finished, (row_ids, last_token, next_position), pending
-        )
+        row_ids, last_token, next_position = self.drop_finished(finished, (row_ids, last_token, next_position))
 
         drafted_before = False
         while row_ids.numel():
@@ -162,25 +158,13 @@ class SpeculativeDecoder:
             costs_a_prefill = k > 0 and not drafted_before
             drafted_before = drafted_before or k > 0
             if k:
-                # 1. The draft catches up on the verified positions it has not seen, whose last output proposes
-                # d_1; then chain drafting proposes d_2..d_K from the draft's own output.
-                draft_logits, draft_hidden = self._draft_forward(*_concat_slots(pending))
-                pending = []
-                spec_start = self.draft_mask.shape[1]
-                drafts, draft_probs = [], []
-                for step in range(k):
-                    token, q = self._propose(draft_logits)
-                    drafts.append(token)
-                    draft_probs.append(q)
-                    if step < k - 1:
-                        draft_logits, draft_hidden = self._draft_step(token, draft_hidden, next_position + step)
-                drafts = torch.stack(drafts, dim=1)
-                self.draft_mask[:, spec_start:] = False  # speculative entries never serve a later round
+                # 1. The draft proposes d_1..d_K after the last verified token.
+                drafts, draft_probs = self.proposer.propose(last_token, next_position, k, self._propose)
             else:
                 drafts = last_token[:, None][:, :0]
             draft_seconds = self._clock() - started
 
-            # 2. One target forward verifies [x_n, d_1..d_K]; its taps feed the draft's next catch-up.
+            # 2. One target forward verifies [x_n, d_1..d_K]; its taps go to the proposer.
             verify_ids = torch.cat([last_token[:, None], drafts], dim=1)
             verify_positions = next_position[:, None] + offsets[: k + 1]
             self.target_mask = F.pad(self.target_mask, (0, k + 1), value=True)
@@ -208,16 +192,14 @@ class SpeculativeDecoder:
             finished = self._emit(row_ids, emitted, num_accepted + 1)
 
             # 4. Rejected target slots become holes (linear-attention layers keep the states after each row's last
-            # verified token); the verified positions wait for the draft's next catch-up.
+            # verified token); the proposer learns the verified positions.
             verified = offsets[: k + 1] <= num_accepted[:, None]
             self.target_mask[:, -(k + 1) :] = verified
             self.linear_states.keep(num_accepted)
             tokens_per_row = float(num_accepted.sum()) / live + 1.0
-            pending.append((emitted, taps, verify_positions, verified))
+            self.proposer.catch_up(emitted, taps, verify_positions, verified)
             last_token, next_position = next_token, next_position + num_accepted + 1
-            (row_ids, last_token, next_position), pending = self.drop_finished(
-                finished, (row_ids, last_token, next_position), pending
-            )
+            row_ids, last_token, next_position = self.drop_finished(finished, (row_ids, last_token, next_position))
             if row_ids.numel():
                 self.compact_caches()
             if not costs_a_prefill:
@@ -298,7 +280,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ draft
 
     def _propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A draft token (target id) and the distribution ``q`` it was sampled from (None: argmax)."""
+        """A draft token (target id) and the distribution ``q`` it was sampled from (None: argmax): the `SampleFn`
+        the proposer drafts with, applying the rollout's warpers and random stream."""
         if self.greedy_drafts:
             return self.draft_ids[draft_logits.argmax(-1)], None
         scores = draft_logits.new_full((draft_logits.shape[0], self.draft.config.vocab_size), float("-inf"))
@@ -306,71 +289,23 @@ class SpeculativeDecoder:
         q = self._probs(scores)
         return torch.multinomial(q, 1, generator=self.generator).squeeze(1), q
 
-    def _draft_step(
-        self, token: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One speculative step: ``(embed(token), h)`` at ``position``, a new (visible) cache slot."""
-        return self._run_draft(
-            self.embed(token[:, None]),
-            hidden,
-            position[:, None],
-            torch.ones_like(token[:, None], dtype=torch.bool),
-            select=None,
-        )
-
-    def _draft_forward(
-        self, tokens: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft positions recomputed from target taps: ``(embed(x_{j+1}), fc(taps_j))`` at ``j``; the logits and
-        ``h`` of each row's last valid slot (the last verified position)."""
-        hidden = self.draft.project_hidden_states(taps)
-        last_valid = valid.shape[1] - 1 - valid.flip(1).long().argmax(1)
-        return self._run_draft(self.embed(tokens), hidden, position_ids, valid, select=last_valid)
-
-    def _run_draft(
-        self,
-        input_embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor,
-        valid: torch.Tensor,
-        *,
-        select: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``L`` slots (``valid``: not holes) to the draft cache; return the logits and ``h`` at one slot per
-        row (``select``; default the last), so a long prompt never materialises ``[B, L, vocab]`` logits."""
-        self.draft_mask = torch.cat([self.draft_mask, valid], dim=1)
-        visible = causal_slot_mask(self.draft_mask, input_embeds.shape[1])
-        cache = self.draft_cache
-
-        def attend(layer_index, q, k, v):
-            k, v = cache.update(k, v, layer_index)
-            return grouped_attention(q, k, v, visible)
-
-        hidden = self.draft.backbone(input_embeds, hidden, position_ids, attend)
-        if select is None:
-            hidden = hidden[:, -1:]
-        else:
-            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), select][:, None]
-        return self.draft.compute_logits(hidden)[:, 0], hidden
-
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The target's own embedding (the draft's inputs always match the model being decoded)."""
-        return self.embedding(token_ids).to(self.draft.fc.weight.dtype)
+        """The target's own embedding, in the draft's dtype (the draft's inputs always match the model being
+        decoded)."""
+        return self.embedding(token_ids).to(self.draft.dtype)
 
     # ------------------------------------------------------------------ caches
 
-    def drop_finished(
-        self, finished: torch.Tensor, row_tensors: tuple[torch.Tensor, ...], pending: list[tuple[torch.Tensor, ...]]
-    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
-        """Remove finished rows from both caches, their slot masks, ``row_tensors`` and the draft's ``pending``
-        inputs (returned filtered)."""
+    def drop_finished(self, finished: torch.Tensor, row_tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Remove finished rows from the target's cache and slot mask, the proposer and ``row_tensors`` (returned
+        filtered)."""
         if not finished.any():
-            return list(row_tensors), pending
+            return list(row_tensors)
         keep = (~finished).nonzero().squeeze(1)
-        for cache in (self.target_cache, self.draft_cache):
-            select_rows(cache, keep)
-        self.target_mask, self.draft_mask = self.target_mask[keep], self.draft_mask[keep]
-        return [t[keep] for t in row_tensors], [tuple(t[keep] for t in chunk) for chunk in pending]
+        select_rows(self.target_cache, keep)
+        self.target_mask = self.target_mask[keep]
+        self.proposer.keep_rows(keep)
+        return [t[keep] for t in row_tensors]
 
     def _clock(self) -> float:
         """Wall time once the device has finished what was queued (the cost model times rounds)."""
@@ -380,7 +315,7 @@ class SpeculativeDecoder:
 
     def compact_caches(self) -> None:
         self.target_mask = compact_slots(self.target_cache, self.target_mask)
-        self.draft_mask = compact_slots(self.draft_cache, self.draft_mask)
+        self.proposer.compact()
 
 
 def target_attention_mask(
@@ -395,34 +330,6 @@ def target_attention_mask(
     if linear_attention:
         masks[LINEAR_ATTENTION] = slot_mask[:, -length:]
     return next(iter(masks.values())) if len(masks) == 1 else masks
-
-
-def compact_slots(cache: DynamicCache, slot_mask: torch.Tensor) -> torch.Tensor:
-    """Drop holes in place once they outnumber the kept slots of the fullest row; return the new slot mask. Kept
-    slots keep their order, left-padded (every attention layer keeps all its slots: see the module docstring on
-    sliding windows); linear-attention layers have no slots, and a pipeline stage's cache has no entries for other
-    stages' layers."""
-    slots = slot_mask.shape[1]
-    width = int(slot_mask.sum(1).max())
-    if slots - width <= width:
-        return slot_mask
-    slot = torch.arange(slots, device=slot_mask.device)
-    order = torch.argsort(torch.where(slot_mask, slot + slots, slot), dim=1, stable=True)[:, slots - width :]
-
-    def gather(states: torch.Tensor) -> torch.Tensor:
-        return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
-
-    for layer in cache.layers:
-        if isinstance(layer, DynamicLayer) and layer.is_initialized:
-            layer.keys, layer.values = gather(layer.keys), gather(layer.values)
-    return slot_mask.gather(1, order)
-
-
-def _concat_slots(chunks: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """The draft's pending inputs ``(tokens, taps, positions, valid)`` of several rounds as one run of slots."""
-    if len(chunks) == 1:
-        return chunks[0]
-    return tuple(torch.cat(parts, dim=1) for parts in zip(*chunks))
 
 
 def layer_windows(text_config) -> dict[str, int | None]:

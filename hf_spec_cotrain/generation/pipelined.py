@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..attention.decoding import compact_slots, decoding_attention
 from ..taps import TapRecorder, decoder_of
 from ..validation import layer_types
-from .decoder import SpeculativeDecoder, compact_slots, layer_windows, target_attention_mask
-from .decoding_attention import decoding_attention
+from .decoder import SpeculativeDecoder, layer_windows, target_attention_mask
 from .linear_attention import LINEAR_ATTENTION, new_cache, select_rows
 
 
@@ -259,12 +259,12 @@ class _PipelinedDecoder(SpeculativeDecoder):
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.pipeline.embed(token_ids).to(self.draft.fc.weight.dtype)
+        return self.pipeline.embed(token_ids).to(self.draft.dtype)
 
-    def drop_finished(self, finished, row_tensors, pending):
+    def drop_finished(self, finished, row_tensors):
         if finished.any():
             self.pipeline.select_rows((~finished).nonzero().squeeze(1))
-        return super().drop_finished(finished, row_tensors, pending)
+        return super().drop_finished(finished, row_tensors)
 
     def compact_caches(self) -> None:
         slot_mask = self.target_mask

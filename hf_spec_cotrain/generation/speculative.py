@@ -1,5 +1,5 @@
-"""`speculative_generate`: HF-native speculative decoding with an EAGLE-3 draft, chain drafting and lossless
-verification as vLLM runs it. This module checks the call and sets the models up; the decoding loop is
+"""`speculative_generate`: HF-native speculative decoding with a draft of any family (its `DraftProposer` drafts)
+and lossless verification as vLLM runs it. This module checks the call and sets the models up; the decoding loop is
 `hf_spec_cotrain.generation.decoder`, the acceptance maths `hf_spec_cotrain.generation.verification`.
 """
 
@@ -16,12 +16,12 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from ..draft import Eagle3DraftModel
+from ..attention.decoding import decoding_attention
+from ..draft import DraftModel
 from ..taps import TapRecorder
 from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .adaptive import FixedSpeculation, SpeculationPolicy
 from .decoder import SpeculativeDecoder, SpeculativeOutput
-from .decoding_attention import decoding_attention
 from .linear_attention import GATED_DELTANET_MODEL_TYPES, LINEAR_ATTENTION, LinearAttentionStates
 
 
@@ -41,7 +41,7 @@ DRAFT_SAMPLING_METHODS = ("probabilistic", "greedy")
 
 def speculative_generate(
     target: PreTrainedModel,
-    draft: Eagle3DraftModel,
+    draft: DraftModel,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor | None = None,
     *,

@@ -11,6 +11,7 @@ from statistics_utils import g_test
 from test_speculative import EOS, P_VALUE_THRESHOLD, _exact, _reference_counts, _sample, _setup, _small_vocab_setup
 
 from hf_spec_cotrain import AdaptiveSpeculation, SpecCoTrainConfig
+from hf_spec_cotrain.draft.eagle3_proposer import Eagle3Proposer
 from hf_spec_cotrain.generation.adaptive import FixedSpeculation, batch_bucket
 from hf_spec_cotrain.generation.decoder import SpeculativeDecoder
 from hf_spec_cotrain.generation.speculative import speculative_generate
@@ -325,7 +326,7 @@ def _virtual_clock(monkeypatch, *, target_seconds, draft_seconds):
     now = [0.0]
     target_forward, run_draft = (
         SpeculativeDecoder.target_forward,
-        SpeculativeDecoder._run_draft,
+        Eagle3Proposer._run,
     )
 
     def timed_target(self, input_ids, *args, **kwargs):
@@ -337,7 +338,7 @@ def _virtual_clock(monkeypatch, *, target_seconds, draft_seconds):
         return run_draft(self, input_embeds, *args, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "target_forward", timed_target)
-    monkeypatch.setattr(SpeculativeDecoder, "_run_draft", timed_draft)
+    monkeypatch.setattr(Eagle3Proposer, "_run", timed_draft)
     monkeypatch.setattr(SpeculativeDecoder, "_clock", lambda self: now[0])
 
 

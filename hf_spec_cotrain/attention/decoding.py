@@ -1,4 +1,9 @@
-"""Attention for the speculative generator's forwards: causal by slot, with holes, without copying shared heads.
+"""Attention for the speculative generator's forwards (the target's and the drafts'): causal by slot, with holes,
+without copying shared heads.
+
+A decoding cache never crops: rows accept different numbers of tokens, so a rejected slot becomes a *hole* in a
+``[B, slots]`` slot mask, every forward attends through the causal-by-slot mask of that slot mask
+(`causal_slot_mask`), and caches whose holes outnumber their kept slots are compacted (`compact_slots`).
 
 Every forward of `speculative_generate` attends through an explicit mask (rejected slots are holes), so HF's SDPA
 path copies each key/value head once per query head of its group (`repeat_kv`, since PyTorch's grouped SDPA
@@ -19,10 +24,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
-__all__ = ["GROUPED_ATTENTION", "decoding_attention", "grouped_attention"]
+__all__ = ["GROUPED_ATTENTION", "causal_slot_mask", "compact_slots", "decoding_attention", "grouped_attention"]
 
 GROUPED_ATTENTION = "hf_spec_cotrain_grouped"
 
@@ -105,3 +111,43 @@ def decoding_attention(model: nn.Module) -> Iterator[None]:
     finally:
         if replace:
             config._attn_implementation = original
+
+
+def causal_slot_mask(slot_mask: torch.Tensor, length: int, *, window: int | None = None) -> torch.Tensor:
+    """``[B, 1, L, slots]`` bool: the queries of the last ``L`` slots see the slots up to their own that hold real
+    tokens (``slot_mask``, ``[B, slots]`` bool; slot order is time order, so a hole or padding is simply False).
+
+    A ``window`` of ``W`` also hides keys ``W`` or more *real* tokens behind the query (HF's sliding window,
+    ``key_position > query_position - W``): a row's real tokens sit at consecutive positions, so counting kept slots
+    measures the distance and holes never count. A query always sees its own slot, so a padding query gets a finite
+    (ignored) output rather than NaN.
+    """
+    slots = slot_mask.shape[1]
+    key_slot = torch.arange(slots, device=slot_mask.device)
+    query_slot = torch.arange(slots - length, slots, device=slot_mask.device)[:, None]
+    visible = (key_slot <= query_slot) & slot_mask[:, None, :]
+    if window is not None:
+        real_tokens = slot_mask.long().cumsum(1)  # a real slot's position + 1
+        visible &= real_tokens[:, None, :] > real_tokens[:, -length:, None] - window
+    return (visible | (key_slot == query_slot))[:, None]
+
+
+def compact_slots(cache: DynamicCache, slot_mask: torch.Tensor) -> torch.Tensor:
+    """Drop holes in place once they outnumber the kept slots of the fullest row; return the new slot mask. Kept
+    slots keep their order, left-padded (every attention layer keeps all its slots: see
+    `hf_spec_cotrain.generation.decoder` on sliding windows); linear-attention layers have no slots, and a pipeline
+    stage's cache has no entries for other stages' layers."""
+    slots = slot_mask.shape[1]
+    width = int(slot_mask.sum(1).max())
+    if slots - width <= width:
+        return slot_mask
+    slot = torch.arange(slots, device=slot_mask.device)
+    order = torch.argsort(torch.where(slot_mask, slot + slots, slot), dim=1, stable=True)[:, slots - width :]
+
+    def gather(states: torch.Tensor) -> torch.Tensor:
+        return states.gather(2, order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3]))
+
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            layer.keys, layer.values = gather(layer.keys), gather(layer.values)
+    return slot_mask.gather(1, order)

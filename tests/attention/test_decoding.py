@@ -5,8 +5,12 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from hf_spec_cotrain.draft.modeling import causal_slot_mask
-from hf_spec_cotrain.generation.decoding_attention import GROUPED_ATTENTION, decoding_attention, grouped_attention
+from hf_spec_cotrain.attention.decoding import (
+    GROUPED_ATTENTION,
+    causal_slot_mask,
+    decoding_attention,
+    grouped_attention,
+)
 from hf_spec_cotrain.testing import build_tiny_target
 
 
