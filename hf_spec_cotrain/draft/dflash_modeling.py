@@ -35,6 +35,7 @@ from .dflash_configuration import (
     validate_target_layer_ids,
 )
 from .dflash_objective import DFlashTrainingOptions, dflash_loss
+from .dflash_proposer import DFlashProposer
 from .dflash_vllm import DFlashNames
 from .target_fields import draft_layer_fields
 from .vocab import select_draft_vocab
@@ -342,7 +343,11 @@ class DFlashDraftModel(DraftModel):
             self, batch, options, cp_group=cp_group, generator=generator, gradient_checkpointing=gradient_checkpointing
         )
 
-    # ------------------------------------------------------------------ serving
+    # ------------------------------------------------------------------ generation and serving
+
+    def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> DFlashProposer:
+        """One generate call's drafting state: cached context keys and values, one block forward per round."""
+        return DFlashProposer(self, embed)
 
     @classmethod
     def vllm_speculative_config(cls, model: str, num_speculative_tokens: int) -> dict[str, Any]:
