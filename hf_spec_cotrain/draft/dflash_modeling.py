@@ -25,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from ..attention import block_draft_attention
 from ..attention.masks import positions_in_document
 from ..validation import check_int
-from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
+from .base import DraftLossOutput, DraftModel, DraftTrainingBatch, config_field
 from .dflash_configuration import (
     DEFAULT_BLOCK_SIZE,
     DFLASH_ARCHITECTURE,
@@ -194,6 +194,25 @@ class DFlashDraftModel(DraftModel):
             with torch.no_grad():
                 draft.lm_head.weight.copy_(target_head.detach()[draft_ids.to(target_head.device)])
         return draft.bind_target(target)
+
+    @classmethod
+    def from_target_options(cls, args: Any) -> dict[str, Any]:
+        """The draft's depth (``draft_num_layers`` of a `SpecCoTrainConfig`, ``num_layers`` of a
+        `DraftTrainingConfig`), ``dflash_target_layer_ids``, ``dflash_block_size`` and ``dflash_mask_token_id`` (the
+        defaults where the config has no such field; the mask token has none: it depends on the tokenizer)."""
+        mask_token_id = getattr(args, "dflash_mask_token_id", None)
+        if mask_token_id is None:
+            raise ValueError(
+                "A DFlash draft needs `dflash_mask_token_id`, the token whose embedding fills its blocks: set it, e.g. "
+                "to `hf_spec_cotrain.draft.choose_mask_token_id(tokenizer, vocab_size)` (the tokenizer's mask token, "
+                "else an embedding row no token uses)."
+            )
+        return {
+            "mask_token_id": mask_token_id,
+            "num_layers": config_field(args, "draft_num_layers", "num_layers"),
+            "target_layer_ids": getattr(args, "dflash_target_layer_ids", None),
+            "block_size": getattr(args, "dflash_block_size", DEFAULT_BLOCK_SIZE),
+        }
 
     def bind_target(self, target: PreTrainedModel) -> "DFlashDraftModel":
         """Check that this draft fits ``target``; read token embeddings (and, without a head of its own, the lm_head)

@@ -225,3 +225,16 @@ def test_vllm_speculative_config():
         "model": "/d",
         "num_speculative_tokens": 4,
     }
+
+
+def test_from_target_options_read_the_config_and_need_a_mask_token(target):
+    class Args:
+        draft_num_layers = 2
+
+    with pytest.raises(ValueError, match="needs `dflash_mask_token_id`"):
+        DFlashDraftModel.from_target_options(Args())
+    Args.dflash_mask_token_id, Args.dflash_block_size = 5, 4
+    options = DFlashDraftModel.from_target_options(Args())
+    assert options == {"mask_token_id": 5, "num_layers": 2, "target_layer_ids": None, "block_size": 4}
+    draft = DFlashDraftModel.from_target(target, **options)
+    assert (draft.config.mask_token_id, draft.config.block_size, draft.config.target_layer_ids) == (5, 4, (1, 3))
