@@ -12,6 +12,8 @@ from .version import __version__
 
 __all__ = [
     "AdaptiveSpeculation",
+    "DFlashDraftConfig",
+    "DFlashDraftModel",
     "DraftLossOutput",
     "DraftModel",
     "DraftTrainingConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "TapRecorder",
     "VLLMRolloutEngine",
     "__version__",
+    "block_draft_attention",
     "branch_attention",
     "default_aux_layer_ids",
     "speculative_generate",
@@ -34,6 +37,8 @@ __all__ = [
 
 _MODULE_OF = {
     "AdaptiveSpeculation": "generation.adaptive",
+    "DFlashDraftConfig": "draft",
+    "DFlashDraftModel": "draft",
     "DraftLossOutput": "draft",
     "DraftModel": "draft",
     "DraftTrainingConfig": "warmstart",
@@ -46,6 +51,7 @@ _MODULE_OF = {
     "TapChannel": "parallel.tap_channel",
     "TapRecorder": "taps",
     "VLLMRolloutEngine": "generation.vllm_engine",
+    "block_draft_attention": "attention",
     "branch_attention": "attention",
     "default_aux_layer_ids": "taps",
     "speculative_generate": "generation.speculative",
@@ -54,9 +60,17 @@ _MODULE_OF = {
 }
 
 if TYPE_CHECKING:
-    from .attention import branch_attention
+    from .attention import block_draft_attention, branch_attention
     from .config import SpecCoTrainConfig
-    from .draft import DraftLossOutput, DraftModel, Eagle3DraftConfig, Eagle3DraftModel, ttt_loss
+    from .draft import (
+        DFlashDraftConfig,
+        DFlashDraftModel,
+        DraftLossOutput,
+        DraftModel,
+        Eagle3DraftConfig,
+        Eagle3DraftModel,
+        ttt_loss,
+    )
     from .generation.adaptive import AdaptiveSpeculation
     from .generation.decoder import SpeculativeOutput
     from .generation.speculative import speculative_generate

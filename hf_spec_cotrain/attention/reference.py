@@ -3,7 +3,7 @@
 import torch
 
 from .masks import document_ids
-from .validation import check_branch_attention_inputs
+from .validation import check_block_draft_inputs, check_branch_attention_inputs
 
 
 def branch_attention_reference(
@@ -57,3 +57,47 @@ def branch_attention_reference(
         scores = torch.cat([scores, sink_column], dim=-1)
     probs = torch.softmax(scores, dim=-1)[..., : keys.shape[2]]
     return torch.matmul(probs, values).to(q.dtype)
+
+
+def block_draft_attention_reference(
+    q: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `block_draft_attention`, computed per anchor with one explicit mask over
+    ``[context keys; block keys]``; masked anchors give zeros."""
+    anchor_mask, scale = check_block_draft_inputs(
+        q, context_k, context_v, block_k, block_v, anchors, anchor_mask, cu_seqlens=cu_seqlens, scale=scale
+    )
+    out_dtype, compute_dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    group_size = q.shape[1] // context_k.shape[1]
+    length = context_k.shape[2]
+
+    def per_query_head(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(group_size, dim=1).to(compute_dtype)
+
+    q, context_k, context_v, block_k, block_v = (
+        q.to(compute_dtype),
+        *map(per_query_head, (context_k, context_v, block_k, block_v)),
+    )
+    positions = torch.arange(length, device=q.device)
+    if cu_seqlens is None:
+        doc_ids = torch.zeros(length, dtype=torch.int64, device=q.device)
+    else:
+        doc_ids = document_ids(cu_seqlens.to(q.device))
+    anchor_doc = doc_ids[anchors.clamp(0, length - 1)]  # [B, N]
+    context_visible = (positions < anchors[..., None]) & (doc_ids == anchor_doc[..., None])  # [B, N, L]
+    context_scores = torch.einsum("bhnsd,bhld->bhnsl", q, context_k)
+    block_scores = torch.einsum("bhnsd,bhntd->bhnst", q, block_k)
+    context_scores = context_scores.masked_fill(~context_visible[:, None, :, None, :], float("-inf"))
+    probs = torch.softmax(torch.cat([context_scores, block_scores], dim=-1) * scale, dim=-1)
+    out = torch.einsum("bhnsl,bhld->bhnsd", probs[..., :length], context_v)
+    out = out + torch.einsum("bhnst,bhntd->bhnsd", probs[..., length:], block_v)
+    return torch.where(anchor_mask[:, None, :, None, None], out, 0.0).to(out_dtype)

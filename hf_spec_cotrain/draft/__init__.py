@@ -1,8 +1,16 @@
 """The drafters: the interface every family implements (`base`), the EAGLE-3 family (its head, configuration,
-training-time-test loss and vLLM names), the registry of families (`families`) and the vocabulary maps they share."""
+training-time-test loss and vLLM names), the DFlash block draft (`dflash_*`), the registry of families (`families`)
+and the vocabulary maps they share."""
 
 from .base import DraftLossOutput, DraftModel, DraftProposer, DraftTrainingBatch, SampleFn
 from .configuration import EAGLE3_ARCHITECTURE, Eagle3DraftConfig
+from .dflash_configuration import (
+    DFLASH_ARCHITECTURE,
+    DFlashDraftConfig,
+    choose_mask_token_id,
+    default_target_layer_ids,
+)
+from .dflash_modeling import DFlashDraftModel
 from .eagle3_ttt import Eagle3TrainingOptions, ttt_loss
 from .families import (
     DEFAULT_DRAFTER,
@@ -19,8 +27,11 @@ from .vocab import count_tokens, select_draft_vocab, vocab_maps
 
 __all__ = [
     "DEFAULT_DRAFTER",
+    "DFLASH_ARCHITECTURE",
     "DRAFTER_FAMILIES",
     "EAGLE3_ARCHITECTURE",
+    "DFlashDraftConfig",
+    "DFlashDraftModel",
     "DraftLossOutput",
     "DraftModel",
     "DraftProposer",
@@ -34,7 +45,9 @@ __all__ = [
     "check_draft_family",
     "checkpoint_drafter",
     "checkpoint_family",
+    "choose_mask_token_id",
     "count_tokens",
+    "default_target_layer_ids",
     "drafter_family",
     "load_draft",
     "select_draft_vocab",

@@ -42,6 +42,7 @@ from .speculators_format import (
     speculators_config_from_eagle3,
     speculators_state_dict,
 )
+from .target_fields import draft_layer_fields
 from .vocab import select_draft_vocab
 
 
@@ -183,26 +184,11 @@ class Eagle3DraftModel(DraftModel):
         check_int(num_layers, "num_layers", hint=" (the draft's decoder layers)")
         aux_ids = validate_aux_layer_ids(aux_layer_ids, tcfg.num_hidden_layers)
         draft_ids = select_draft_vocab(tcfg.vocab_size, draft_vocab_size, token_counts)
-        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
         config = Eagle3DraftConfig(
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=tcfg.intermediate_size,
+            **draft_layer_fields(tcfg),
             num_hidden_layers=num_layers,
-            num_attention_heads=tcfg.num_attention_heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
-            head_dim=head_dim,
-            hidden_act=tcfg.hidden_act,
-            rms_norm_eps=tcfg.rms_norm_eps,
-            rope_parameters=dict(tcfg.rope_parameters) if getattr(tcfg, "rope_parameters", None) else None,
-            max_position_embeddings=tcfg.max_position_embeddings,
-            vocab_size=tcfg.vocab_size,
             draft_vocab_size=draft_ids.numel(),
-            target_hidden_size=tcfg.hidden_size,
-            target_num_hidden_layers=tcfg.num_hidden_layers,
             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True},
-            bos_token_id=tcfg.bos_token_id,
-            eos_token_id=tcfg.eos_token_id,
-            pad_token_id=tcfg.pad_token_id,
             tie_word_embeddings=False,
         )
         target_head = target.get_output_embeddings().weight

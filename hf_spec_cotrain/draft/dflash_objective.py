@@ -1,0 +1,196 @@
+"""DFlash's training objective on one policy forward's taps (docs/design.md section 4b).
+
+Anchors are sampled inside the completions; every row's anchors run in ONE batched draft forward (each anchor's block
+sees the context before it through `block_draft_attention`), and block position ``i >= 1`` learns the policy's
+distribution of the token at ``a + i`` with weight ``exp(-(i - 1) / gamma)``.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from ..attention.masks import document_ids, positions_in_document
+from ..losses import head_soft_cross_entropy
+from ..validation import check_int
+from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
+from .eagle3_ttt import left_align_rows
+
+
+DEFAULT_ANCHORS_PER_ROW = 8
+DEFAULT_LOSS_DECAY_GAMMA = 4.0
+"""DFlash's published decay for its block of 8 (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative
+Decoding", training setup: gamma 7 for blocks of 16, 5 for 10, 4 for 8; SpecForge's DFlash recipe uses the same)."""
+
+
+@dataclass(frozen=True)
+class DFlashTrainingOptions:
+    """``anchors_per_row``: blocks sampled per row (per document when packed) and step; ``loss_decay_gamma``: the
+    weight of block position ``i`` is ``exp(-(i - 1) / gamma)``, so later positions, which a round only reaches after
+    its earlier ones were accepted, count less."""
+
+    anchors_per_row: int = DEFAULT_ANCHORS_PER_ROW
+    loss_decay_gamma: float = DEFAULT_LOSS_DECAY_GAMMA
+
+    def __post_init__(self):
+        check_int(self.anchors_per_row, "dflash_anchors_per_row", hint=" (blocks trained per row and step)")
+        gamma = self.loss_decay_gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not math.isfinite(gamma) or gamma <= 0:
+            raise ValueError(
+                f"`dflash_loss_decay_gamma`={gamma!r} is not allowed: it must be a positive number (the weight of "
+                f"block position i is exp(-(i - 1) / gamma); DFlash uses {DEFAULT_LOSS_DECAY_GAMMA} for blocks of 8)."
+            )
+
+    @classmethod
+    def from_args(cls, args: Any) -> "DFlashTrainingOptions":
+        """From a `SpecCoTrainConfig` or `DraftTrainingConfig` (`dflash_anchors_per_row`, `dflash_loss_decay_gamma`;
+        the defaults where the config has no such field)."""
+        return cls(
+            anchors_per_row=getattr(args, "dflash_anchors_per_row", DEFAULT_ANCHORS_PER_ROW),
+            loss_decay_gamma=getattr(args, "dflash_loss_decay_gamma", DEFAULT_LOSS_DECAY_GAMMA),
+        )
+
+
+def block_position_weights(block_size: int, gamma: float, *, device=None) -> torch.Tensor:
+    """``[block_size - 1]``: ``exp(-(i - 1) / gamma)`` for block positions ``i = 1 .. block_size - 1``."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float64, device=device) / gamma)
+
+
+def document_bounds(cu_seqlens: torch.Tensor | None, batch: int, length: int, device) -> tuple[torch.Tensor, ...]:
+    """``(segment, offset, end)``, each ``[B, L]``: a segment id unique over the batch (a row, or a packed
+    document), the offset in it (the RoPE position) and its exclusive end column."""
+    if cu_seqlens is None:
+        columns = torch.arange(length, device=device)
+        rows = torch.arange(batch, device=device)[:, None]
+        return (
+            rows.expand(batch, length),
+            columns.expand(batch, length),
+            torch.full((batch, length), length, device=device),
+        )
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    docs = document_ids(cu_seqlens)
+    return docs[None], positions_in_document(cu_seqlens)[None], cu_seqlens[1:][docs][None]
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    anchors_per_row: int,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``anchors_per_row`` anchors per row (per document when packed), uniformly without replacement among the
+    positions ``a`` that can anchor a trained block: ``a >= 1`` in its document (some context), ``a + 1`` in the same
+    document and counted (``loss_mask [B, L]``). Returns ``anchors [B, N]`` (int64, ascending per row) and
+    ``anchor_mask [B, N]``; masked slots hold 1 (a valid position, never read)."""
+    batch, length = loss_mask.shape
+    device = loss_mask.device
+    segment, offset, end = document_bounds(cu_seqlens, batch, length, device)
+    next_counted = torch.zeros_like(loss_mask, dtype=torch.bool)
+    next_counted[:, :-1] = loss_mask[:, 1:].to(torch.bool)
+    columns = torch.arange(length, device=device)
+    candidate = next_counted & (offset >= 1) & (columns + 1 < end)
+    scores = torch.rand(batch, length, generator=generator, device=generator.device if generator else device)
+    scores = torch.where(candidate, scores.to(device), -1.0)
+    # Rank the candidates of each segment by score: sort by (segment, -score), then count from the segment's start.
+    key = segment * 4.0 + (1.0 - scores)  # scores in [0, 1): each segment's keys stay inside [4s, 4s + 2]
+    order = key.argsort(dim=1)
+    sorted_segment = segment.expand(batch, length).gather(1, order)
+    start_of_segment = torch.ones_like(sorted_segment, dtype=torch.bool)
+    start_of_segment[:, 1:] = sorted_segment[:, 1:] != sorted_segment[:, :-1]
+    first = torch.where(start_of_segment, columns, 0).cummax(dim=1).values
+    rank = torch.empty_like(order).scatter_(1, order, columns - first)
+    chosen = candidate & (rank < anchors_per_row)
+    width = max(int(chosen.sum(1).max()), 1) if batch else 1
+    # Chosen columns first (ascending), then filler.
+    ranked = torch.where(chosen, columns, length + columns).sort(dim=1).values[:, :width]
+    anchor_mask = ranked < length
+    return torch.where(anchor_mask, ranked, 1), anchor_mask
+
+
+def dflash_loss(
+    draft: DraftModel,
+    batch: DraftTrainingBatch,
+    options: DFlashTrainingOptions,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    generator: torch.Generator | None = None,
+    gradient_checkpointing: bool = False,
+) -> DraftLossOutput:
+    """``sum_i w_i * mean_{counted}(-sum p_teacher log q_draft)`` over block positions ``i = 1 .. S - 1``.
+
+    Block position ``i`` of the anchor at ``a`` predicts ``x_{a+i}`` against the policy's distribution at ``a + i -
+    1`` (``teacher_logits``); it counts where ``a + i`` lies in the anchor's document and ``loss_mask`` holds there.
+    Each position's mean is over its counted pairs (zero when none), as the EAGLE-3 objective normalises.
+    """
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        raise ValueError(
+            f"The DFlash objective does not run under context parallelism (a cp_group of {dist.get_world_size(cp_group)} "
+            "ranks; issue #36): train DFlash with context_parallel_size=1, or use drafter='eagle3' with context "
+            "parallelism."
+        )
+    aux_hidden_states, input_embeds = batch.aux_hidden_states, batch.input_embeds
+    teacher_logits, loss_mask = batch.teacher_logits, batch.loss_mask.to(torch.bool)
+    rows, length = input_embeds.shape[:2]
+    for name, tensor in (
+        ("aux_hidden_states", aux_hidden_states),
+        ("teacher_logits", teacher_logits),
+        ("loss_mask", loss_mask),
+    ):
+        if tuple(tensor.shape[:2]) != (rows, length):
+            raise ValueError(f"`{name}` has leading shape {tuple(tensor.shape[:2])}; expected ({rows}, {length}).")
+    if teacher_logits.shape[-1] != draft.config.draft_vocab_size:
+        raise ValueError(
+            f"`teacher_logits` covers {teacher_logits.shape[-1]} tokens; the draft vocabulary has "
+            f"{draft.config.draft_vocab_size} (the draft's `teacher_logits` restricts the policy's)."
+        )
+    cu_seqlens = batch.cu_seqlens
+    if batch.attention_mask is not None:
+        if cu_seqlens is not None:
+            raise ValueError("Pass `attention_mask` (padded rows) or `cu_seqlens` (packed documents), not both.")
+        (aux_hidden_states, input_embeds, teacher_logits, loss_mask), real = left_align_rows(
+            batch.attention_mask, aux_hidden_states, input_embeds, teacher_logits, loss_mask
+        )
+        loss_mask = loss_mask & real
+        length = input_embeds.shape[1]
+    elif cu_seqlens is not None and rows != 1:
+        raise ValueError(f"Packed documents (`cu_seqlens`) need batch size 1; got {rows}.")
+
+    block_size = draft.config.block_size
+    anchors, anchor_mask = sample_anchors(
+        loss_mask, options.anchors_per_row, cu_seqlens=cu_seqlens, generator=generator
+    )
+    _, offset, end = document_bounds(cu_seqlens, rows, length, input_embeds.device)
+    anchor_embeds = input_embeds.gather(1, anchors[..., None].expand(-1, -1, input_embeds.shape[-1]))
+    forward_args = (aux_hidden_states, anchor_embeds, anchors)
+    forward_kwargs = dict(anchor_mask=anchor_mask, position_ids=offset.expand(rows, length), cu_seqlens=cu_seqlens)
+    if gradient_checkpointing and torch.is_grad_enabled():
+        hidden = checkpoint(draft.block_logits, *forward_args, use_reentrant=False, **forward_kwargs)
+    else:
+        hidden = draft.block_logits(*forward_args, **forward_kwargs)
+
+    weights = block_position_weights(block_size, options.loss_decay_gamma, device=hidden.device)
+    anchor_end = end.expand(rows, length).gather(1, anchors)
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    losses, accuracies, counts = [], [], []
+    for position in range(1, block_size):
+        predicted = anchors + position  # the column of the token this block position predicts
+        inside = anchor_mask & (predicted < anchor_end)
+        column = predicted.clamp(max=length - 1)
+        counted = inside & loss_mask.gather(1, column)
+        teacher = teacher_logits.gather(1, (column - 1)[..., None].expand(-1, -1, teacher_logits.shape[-1]))
+        loss, accuracy, count = head_soft_cross_entropy(draft.compute_logits, hidden[:, :, position], teacher, counted)
+        total = total + weights[position - 1].to(total.dtype) * loss
+        losses.append(loss.detach())
+        accuracies.append(accuracy)
+        counts.append(count)
+    return DraftLossOutput(
+        loss=total,
+        step_losses=torch.stack(losses),
+        step_accuracies=torch.stack(accuracies),
+        step_counts=torch.stack(counts),
+        step_weights=weights.to(total.dtype),
+    )
