@@ -3,7 +3,6 @@
 import copy
 import importlib.util
 import os
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -11,6 +10,8 @@ from accelerate.parallelism_config import ParallelismConfig
 from trl import GRPOConfig
 
 from .draft import DEFAULT_DRAFTER, DRAFTER_FAMILIES, drafter_family
+from .draft.dflash_configuration import DEFAULT_BLOCK_SIZE
+from .draft.dflash_objective import DEFAULT_ANCHORS_PER_ROW, DEFAULT_LOSS_DECAY_GAMMA
 from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.compatibility import launcher_fsdp_version
@@ -180,9 +181,29 @@ class SpecCoTrainConfig(GRPOConfig):
     aux_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Tapped policy layers (inputs of these layers); unset: (2, L//2, L-3)."}
     )
-    ttt_steps: int = field(default=3, metadata={"help": "Unrolled steps K of the training-time-test loss."})
+    ttt_steps: int = field(default=3, metadata={"help": "EAGLE-3: unrolled steps K of the training-time-test loss."})
     ttt_step_weight_decay: float = field(
-        default=DEFAULT_STEP_WEIGHT_DECAY, metadata={"help": "Loss weight of TTT step d: ttt_step_weight_decay**d."}
+        default=DEFAULT_STEP_WEIGHT_DECAY,
+        metadata={"help": "EAGLE-3: loss weight of TTT step d, ttt_step_weight_decay**d."},
+    )
+    dflash_block_size: int = field(
+        default=DEFAULT_BLOCK_SIZE,
+        metadata={"help": "DFlash: the trained block (anchor + mask tokens); a round proposes at most block - 1."},
+    )
+    dflash_anchors_per_row: int = field(
+        default=DEFAULT_ANCHORS_PER_ROW, metadata={"help": "DFlash: blocks trained per sequence and step."}
+    )
+    dflash_loss_decay_gamma: float = field(
+        default=DEFAULT_LOSS_DECAY_GAMMA,
+        metadata={"help": "DFlash: block position i weighs exp(-(i-1)/gamma) in the loss."},
+    )
+    dflash_target_layer_ids: list[int] | None = field(
+        default=None,
+        metadata={"help": "DFlash: policy layers whose outputs form the context (vLLM's numbering); unset: spread."},
+    )
+    dflash_mask_token_id: int | None = field(
+        default=None,
+        metadata={"help": "DFlash: the token filling the block; unset: the tokenizer's mask token or an unused id."},
     )
     ttt_gradient_checkpointing: bool = field(
         default=False,
@@ -291,10 +312,16 @@ class SpecCoTrainConfig(GRPOConfig):
             self.num_speculative_tokens = int(self.num_speculative_tokens)  # from the command line
         if self.num_speculative_tokens != "auto":
             check_int(self.num_speculative_tokens, "num_speculative_tokens", hint=" or 'auto'")
-        drafter_family(self.drafter)
+        family = drafter_family(self.drafter)
+        if self.context_parallel_size > 1 and not family.supports_context_parallel:
+            raise ValueError(
+                f"`drafter`={self.drafter!r} does not train under context parallelism yet (its block attention through "
+                f"the zigzag ring is not built): use `drafter`='eagle3' with `context_parallel_size`="
+                f"{self.context_parallel_size}, or `context_parallel_size`=1."
+            )
         check_int(self.ttt_steps, "ttt_steps")
         if self.max_speculative_tokens is None:
-            self.max_speculative_tokens = self.ttt_steps
+            self.max_speculative_tokens = family.trained_tokens_per_round(self)
         for name in ("draft_num_layers", "max_speculative_tokens", "draft_update_interval"):
             check_int(getattr(self, name), name)
         if self.draft_vocab_size is not None:
@@ -336,21 +363,7 @@ class SpecCoTrainConfig(GRPOConfig):
                 "`vllm_mode='server'` talks to the rollout server over HTTP with `requests`, which is not installed: "
                 'pip install "hf-spec-cotrain[client]" (or use `vllm_mode="colocate"`, or HF-native rollouts).'
             )
-        if self.max_draft_tokens > self.ttt_steps:
-            asked = (
-                f"`max_speculative_tokens`={self.max_speculative_tokens} (with `num_speculative_tokens='auto'`)"
-                if self.num_speculative_tokens == "auto"
-                else f"`num_speculative_tokens`={self.num_speculative_tokens}"
-            )
-            warnings.warn(
-                f"{asked} lets the draft propose up to {self.max_draft_tokens} tokens in a row, but it is trained on "
-                f"only `ttt_steps`={self.ttt_steps} unrolled steps: its proposals past step {self.ttt_steps} come "
-                f"from inputs it never saw in training, and are accepted less the further they go (the logged "
-                f"`spec/accepted_per_position_k` shows whether they pay). Set `ttt_steps` to at least "
-                f"{self.max_draft_tokens}, or propose at most {self.ttt_steps} tokens.",
-                UserWarning,
-                stacklevel=3,
-            )
+        family.check_tokens_per_round(self)
         if self.draft_sampling is not None and self.draft_sampling not in DRAFT_SAMPLING_METHODS:
             raise ValueError(
                 f"`draft_sampling`={self.draft_sampling!r} is not allowed: choose one of {DRAFT_SAMPLING_METHODS}."

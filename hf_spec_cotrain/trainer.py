@@ -343,7 +343,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 counts = self._prompt_token_counts() if args.draft_vocab_size is not None else None
                 draft = family.from_target(
                     policy,
-                    **family.from_target_options(args),
+                    **family.from_target_options(
+                        args, getattr(self.processing_class, "tokenizer", self.processing_class)
+                    ),
                     draft_vocab_size=args.draft_vocab_size,
                     token_counts=counts,
                 )
@@ -353,6 +355,13 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 if self.accelerator.process_index != source:
                     draft = family(config[0])
         draft.bind_target(policy)
+        limit = draft.max_tokens_per_round()
+        if limit is not None and args.max_draft_tokens > limit:
+            raise ValueError(
+                f"This draft proposes at most {limit} tokens per round, but up to {args.max_draft_tokens} were asked "
+                "(`num_speculative_tokens`, or `max_speculative_tokens` under 'auto'): ask for at most "
+                f"{limit}, or use a draft that proposes more."
+            )
         draft.to(device=self.accelerator.device, dtype=torch.float32)  # fp32 master weights for a small head
         draft.train()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

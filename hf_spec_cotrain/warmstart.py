@@ -28,6 +28,8 @@ from .draft import (
     drafter_family,
 )
 from .draft.card import WarmStartRecord, model_license, render_draft_card
+from .draft.dflash_configuration import DEFAULT_BLOCK_SIZE
+from .draft.dflash_objective import DEFAULT_ANCHORS_PER_ROW, DEFAULT_LOSS_DECAY_GAMMA
 from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .taps import TapRecorder
 from .training.draft_cotraining import (
@@ -79,6 +81,21 @@ class DraftTrainingConfig:
     ttt_steps: int = field(default=3, metadata={"help": "Unrolled training-time-test steps K."})
     step_weight_decay: float = field(
         default=DEFAULT_STEP_WEIGHT_DECAY, metadata={"help": "Loss weight of step d is step_weight_decay**d."}
+    )
+    dflash_block_size: int = field(
+        default=DEFAULT_BLOCK_SIZE, metadata={"help": "DFlash: the trained block (anchor + mask tokens)."}
+    )
+    dflash_anchors_per_row: int = field(
+        default=DEFAULT_ANCHORS_PER_ROW, metadata={"help": "DFlash: blocks trained per sequence and step."}
+    )
+    dflash_loss_decay_gamma: float = field(
+        default=DEFAULT_LOSS_DECAY_GAMMA, metadata={"help": "DFlash: block position i weighs exp(-(i-1)/gamma)."}
+    )
+    dflash_target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "DFlash: target layers whose outputs form the context; unset: spread."}
+    )
+    dflash_mask_token_id: int | None = field(
+        default=None, metadata={"help": "DFlash: the token filling the block; unset: from the tokenizer."}
     )
     max_length: int = field(default=512, metadata={"help": "Tokens per training sequence (longer texts are cut)."})
     learning_rate: float = field(default=5e-4, metadata={"help": "Peak AdamW learning rate."})
@@ -330,7 +347,7 @@ def train_draft(
         counts = count_tokens(train_set, target.config.get_text_config().vocab_size)
         draft = family.from_target(
             target,
-            **family.from_target_options(config),
+            **family.from_target_options(config, tokenizer),
             draft_vocab_size=config.draft_vocab_size,
             token_counts=counts,
         )

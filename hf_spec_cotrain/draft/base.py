@@ -130,6 +130,8 @@ class DraftModel(PreTrainedModel):
 
     drafter_name: ClassVar[str]
     vllm_method: ClassVar[str]
+    supports_context_parallel: ClassVar[bool] = True
+    """Whether `training_loss` takes context-parallel shards; a family without it is refused at build under CP."""
     checkpoint_architecture: ClassVar[str]
     display_name: ClassVar[str]  # the family in messages ("EAGLE-3")
     card_template: ClassVar[str]  # its model card's template in the repository's model_cards/ (`draft.card`)
@@ -185,9 +187,10 @@ class DraftModel(PreTrainedModel):
 
     @classmethod
     @abc.abstractmethod
-    def from_target_options(cls, args: Any) -> dict[str, Any]:
-        """The family's own `from_target` options from a `SpecCoTrainConfig` or `DraftTrainingConfig`
-        (``draft_vocab_size`` and ``token_counts``, which every family takes, come from the caller)."""
+    def from_target_options(cls, args: Any, tokenizer: Any = None) -> dict[str, Any]:
+        """The family's own `from_target` options from a `SpecCoTrainConfig` or `DraftTrainingConfig` and the
+        policy's tokenizer, for what a family derives from it (DFlash's mask token); ``draft_vocab_size`` and
+        ``token_counts``, which every family takes, come from the caller."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
@@ -404,6 +407,23 @@ class DraftModel(PreTrainedModel):
         distribution as teacher. Under context parallelism (``cp_group`` of W > 1) ``loss`` is this rank's share of
         the single-device loss and the metrics are global. ``generator``: the family's own randomness (DFlash's
         anchors), reproducible from the trainer's seed."""
+
+    @classmethod
+    @abc.abstractmethod
+    def trained_tokens_per_round(cls, args: Any) -> int:
+        """The most tokens one round may propose that a draft built from ``args`` is trained for: the default of
+        `SpecCoTrainConfig.max_speculative_tokens`."""
+
+    @classmethod
+    @abc.abstractmethod
+    def check_tokens_per_round(cls, args: Any) -> None:
+        """Judge ``args.max_draft_tokens`` against what the objective trains, when the config is built: refuse a K
+        the draft cannot propose, warn about one it proposes untrained."""
+
+    def max_tokens_per_round(self) -> int | None:
+        """The most tokens this draft can propose in one round (None: no limit of its own); the trainer refuses a
+        larger K when it is built, instead of every round failing."""
+        return None
 
     @abc.abstractmethod
     def loss_positions(self, options: Any) -> int:

@@ -31,6 +31,7 @@ from .dflash_configuration import (
     DFLASH_ARCHITECTURE,
     FULL_ATTENTION,
     DFlashDraftConfig,
+    choose_mask_token_id,
     default_target_layer_ids,
     validate_target_layer_ids,
 )
@@ -119,9 +120,11 @@ class DFlashDraftModel(DraftModel):
 
     config_class = DFlashDraftConfig
     config: DFlashDraftConfig
+    supports_context_parallel = False  # the block attention through the ring is issue #36
     drafter_name = "dflash"
     vllm_method = "dflash"
     checkpoint_architecture = DFLASH_ARCHITECTURE
+    card_template = "dflash_draft.md"
     display_name = "DFlash"
     vllm_weight_names = DFlashNames()
     supports_gradient_checkpointing = False
@@ -153,7 +156,8 @@ class DFlashDraftModel(DraftModel):
         cls,
         target: PreTrainedModel,
         *,
-        mask_token_id: int,
+        mask_token_id: int | None = None,
+        tokenizer: Any = None,
         num_layers: int = 1,
         target_layer_ids: Sequence[int] | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
@@ -164,11 +168,17 @@ class DFlashDraftModel(DraftModel):
 
         ``target_layer_ids`` (vLLM's numbering: the output of target layer ``i``) default to DFlash's published spread
         (`default_target_layer_ids`: one per draft layer from layer 1 to ``L - 3``). ``mask_token_id``: the token
-        whose embedding fills the block (`choose_mask_token_id` picks one from a tokenizer). The draft vocabulary is
+        whose embedding fills the block; unset, `choose_mask_token_id` picks one from ``tokenizer``. The draft vocabulary is
         the ``draft_vocab_size`` most frequent ids of ``token_counts`` (every id when None); a reduced one gets its
         own ``lm_head``, the target's rows at those ids.
         """
         tcfg = target.config.get_text_config()
+        if mask_token_id is None:
+            if tokenizer is None:
+                raise ValueError(
+                    "Pass `mask_token_id`, or the `tokenizer` to choose it from (`choose_mask_token_id`)."
+                )
+            mask_token_id = choose_mask_token_id(tokenizer, tcfg.vocab_size)
         check_int(num_layers, "num_layers", hint=" (the draft's decoder layers)")
         check_int(block_size, "block_size", minimum=2, hint=" (the anchor and at least one mask token)")
         if target_layer_ids is None:
@@ -196,18 +206,20 @@ class DFlashDraftModel(DraftModel):
         return draft.bind_target(target)
 
     @classmethod
-    def from_target_options(cls, args: Any) -> dict[str, Any]:
+    def from_target_options(cls, args: Any, tokenizer: Any = None) -> dict[str, Any]:
         """The draft's depth (``draft_num_layers`` of a `SpecCoTrainConfig`, ``num_layers`` of a
-        `DraftTrainingConfig`), ``dflash_target_layer_ids``, ``dflash_block_size`` and ``dflash_mask_token_id`` (the
-        defaults where the config has no such field; the mask token has none: it depends on the tokenizer)."""
+        `DraftTrainingConfig`), ``dflash_target_layer_ids``, ``dflash_block_size`` and ``dflash_mask_token_id``
+        (unset: `choose_mask_token_id` on ``tokenizer``, at `from_target`, which knows the target's vocabulary)."""
         mask_token_id = getattr(args, "dflash_mask_token_id", None)
-        if mask_token_id is None:
+        if mask_token_id is None and tokenizer is None:
             raise ValueError(
                 "A DFlash draft needs `dflash_mask_token_id`, the token whose embedding fills its blocks: set it, e.g. "
                 "to `hf_spec_cotrain.draft.choose_mask_token_id(tokenizer, vocab_size)` (the tokenizer's mask token, "
-                "else an embedding row no token uses)."
+                "else an embedding row no token uses), or pass the tokenizer."
             )
+        options = {} if mask_token_id is not None else {"tokenizer": tokenizer}
         return {
+            **options,
             "mask_token_id": mask_token_id,
             "num_layers": config_field(args, "draft_num_layers", "num_layers"),
             "target_layer_ids": getattr(args, "dflash_target_layer_ids", None),
@@ -241,6 +253,31 @@ class DFlashDraftModel(DraftModel):
             return self.tap_layer_ids(tcfg.num_hidden_layers)
         except ValueError as err:
             raise ValueError(f"This draft does not fit the target: {err}") from None
+
+    @classmethod
+    def trained_tokens_per_round(cls, args: Any) -> int:
+        return getattr(args, "dflash_block_size", DEFAULT_BLOCK_SIZE) - 1
+
+    @classmethod
+    def check_tokens_per_round(cls, args: Any) -> None:
+        """A block drafts its mask positions only: more tokens than ``block_size - 1`` cannot be proposed."""
+        limit = cls.trained_tokens_per_round(args)
+        if args.max_draft_tokens > limit:
+            raise ValueError(cls.tokens_per_round_error(args.max_draft_tokens, limit + 1))
+
+    def max_tokens_per_round(self) -> int:
+        return self.config.block_size - 1
+
+    def loss_positions(self, options: DFlashTrainingOptions) -> int:
+        return self.config.block_size - 1
+
+    @staticmethod
+    def tokens_per_round_error(asked: int, block_size: int) -> str:
+        return (
+            f"A DFlash draft with blocks of {block_size} proposes at most {block_size - 1} tokens per round, but up to "
+            f"{asked} were asked (`num_speculative_tokens`, or `max_speculative_tokens` under 'auto'): ask for at "
+            f"most {block_size - 1}, or use a draft with `dflash_block_size` >= {asked + 1}."
+        )
 
     def tap_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """vLLM's id ``i`` (the output of target layer ``i``) is the input of layer ``i + 1``: tap id ``i + 1``."""

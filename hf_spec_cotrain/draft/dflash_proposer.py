@@ -53,13 +53,8 @@ class DFlashProposer(DraftProposer):
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The block ``[last_token, mask x k]`` at ``next_position`` onwards; each of its positions ``1 .. k``
         samples its draft token independently (DFlash drafts the whole block at once)."""
-        block_size = self.draft.config.block_size
-        if k > block_size - 1:
-            raise ValueError(
-                f"A DFlash draft trained on blocks of {block_size} proposes at most {block_size - 1} tokens per round; "
-                f"K={k} was asked: cap the speculative tokens at {block_size - 1}, or train a draft with a larger "
-                "`block_size`."
-            )
+        if k > self.draft.max_tokens_per_round():
+            raise ValueError(self.draft.tokens_per_round_error(k, self.draft.config.block_size))
         self._append_pending()
         logits = self.block_logits(last_token, next_position, k)
         drafts, draft_probs = [], []

@@ -7,6 +7,7 @@ from pathlib import Path
 from transformers.utils import CONFIG_NAME, cached_file
 
 from .base import DraftModel
+from .dflash_modeling import DFlashDraftModel
 from .modeling import Eagle3DraftModel
 
 
@@ -20,7 +21,9 @@ __all__ = [
     "load_draft",
 ]
 
-DRAFTER_FAMILIES: dict[str, type[DraftModel]] = {family.drafter_name: family for family in (Eagle3DraftModel,)}
+DRAFTER_FAMILIES: dict[str, type[DraftModel]] = {
+    family.drafter_name: family for family in (Eagle3DraftModel, DFlashDraftModel)
+}
 DEFAULT_DRAFTER = Eagle3DraftModel.drafter_name
 
 

@@ -7,6 +7,7 @@ callable supplied by the caller, which lets the same layers run the training-tim
 """
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,7 +200,7 @@ class Eagle3DraftModel(DraftModel):
         return draft.bind_target(target)
 
     @classmethod
-    def from_target_options(cls, args: Any) -> dict[str, Any]:
+    def from_target_options(cls, args: Any, tokenizer: Any = None) -> dict[str, Any]:
         """The draft's depth and taps: ``draft_num_layers`` (`SpecCoTrainConfig`) or ``num_layers``
         (`DraftTrainingConfig`), and ``aux_layer_ids``."""
         return {
@@ -338,6 +339,30 @@ class Eagle3DraftModel(DraftModel):
     def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> Eagle3Proposer:
         """Chain drafting over the draft's own KV cache (`Eagle3Proposer`)."""
         return Eagle3Proposer(self, embed)
+
+    @classmethod
+    def trained_tokens_per_round(cls, args: Any) -> int:
+        return args.ttt_steps
+
+    @classmethod
+    def check_tokens_per_round(cls, args: Any) -> None:
+        """Proposals past the unrolled steps come from inputs the draft never saw in training: allowed, warned."""
+        if args.max_draft_tokens <= args.ttt_steps:
+            return
+        asked = (
+            f"`max_speculative_tokens`={args.max_speculative_tokens} (with `num_speculative_tokens='auto'`)"
+            if args.num_speculative_tokens == "auto"
+            else f"`num_speculative_tokens`={args.num_speculative_tokens}"
+        )
+        warnings.warn(
+            f"{asked} lets the draft propose up to {args.max_draft_tokens} tokens in a row, but it is trained on "
+            f"only `ttt_steps`={args.ttt_steps} unrolled steps: its proposals past step {args.ttt_steps} come "
+            f"from inputs it never saw in training, and are accepted less the further they go (the logged "
+            f"`spec/accepted_per_position_k` shows whether they pay). Set `ttt_steps` to at least "
+            f"{args.max_draft_tokens}, or propose at most {args.ttt_steps} tokens.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def loss_positions(self, options: Eagle3TrainingOptions) -> int:
         return options.ttt_steps
