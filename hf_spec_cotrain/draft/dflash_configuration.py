@@ -155,6 +155,6 @@ def choose_mask_token_id(tokenizer, vocab_size: int) -> int:
         return len(tokenizer)
     raise ValueError(
         f"The tokenizer has no mask token and its {len(tokenizer)} tokens fill the target's vocabulary of {vocab_size}: "
-        "pass `mask_token_id` explicitly (a token the completions rarely hold: the draft learns to read its embedding as "
-        "a blank)."
+        "pass `mask_token_id` explicitly (`dflash_mask_token_id` of the trainer's and `train-draft`'s configs): a token "
+        "the completions rarely hold, whose embedding the draft learns to read as a blank."
     )
