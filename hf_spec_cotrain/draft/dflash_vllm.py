@@ -15,6 +15,10 @@ __all__ = ["DFlashNames"]
 class DFlashNames:
     """DFlash checkpoint names (docs/design.md section 3b) <-> vLLM's parameter names."""
 
+    # vLLM substitutes it for the mask token's embedding when a checkpoint ships `mask_embedding.pt` (a pickle:
+    # never ours); ours reads the target's embedding row of `mask_token_id`.
+    vllm_only = frozenset({"model.mask_embedding"})
+
     @staticmethod
     def to_vllm(name: str) -> str | None:
         if name == "d2t":

@@ -13,6 +13,8 @@ class DraftNames:
     """EAGLE-3 checkpoint names (docs/design.md section 3) as vLLM's `Eagle3LlamaForCausalLM.load_weights` maps
     them."""
 
+    vllm_only = frozenset()
+
     @staticmethod
     def to_vllm(name: str) -> str | None:
         if name == "t2d":

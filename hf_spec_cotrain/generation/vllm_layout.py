@@ -74,6 +74,8 @@ class PolicyNames:
         architecture: vLLM's model class (`ModelLayout.architecture`), which picks the family's differences.
     """
 
+    vllm_only = frozenset()
+
     def __init__(self, *, tie_word_embeddings: bool, architecture: str = ""):
         self.tie_word_embeddings = tie_word_embeddings
         self.family = _FAMILIES.get(architecture, _PolicyFamily())
@@ -115,6 +117,10 @@ class PolicyNames:
 class WeightNames(Protocol):
     """How one model's checkpoint tensors are named and laid out in vLLM: `PolicyNames`, or a draft family's
     (`DraftModel.vllm_weight_names`)."""
+
+    # vLLM parameters that no checkpoint of the model has (a feature of vLLM's class the model does not use): never
+    # synced, never reported missing.
+    vllm_only: frozenset[str]
 
     def to_vllm(self, name: str) -> str | None: ...
 
@@ -208,6 +214,7 @@ class ModelLayout:
         missing = [
             name
             for vllm_name in self.params
+            if vllm_name not in names.vllm_only
             for index, name in enumerate(self.checkpoint_names(vllm_name, names))
             if index not in sources.get(vllm_name, {})
         ]

@@ -18,7 +18,6 @@ from hf_spec_cotrain.draft.dflash_objective import DFlashTrainingOptions
 from hf_spec_cotrain.draft.dflash_vllm import DFlashNames
 from hf_spec_cotrain.generation import VLLMRolloutEngine
 from hf_spec_cotrain.generation.speculative import speculative_generate
-from hf_spec_cotrain.generation.vllm_layout import ModelLayout
 from hf_spec_cotrain.generation.vllm_worker import describe_models, find_mismatches
 from hf_spec_cotrain.taps import TapRecorder
 
@@ -28,9 +27,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 K = 3
 MAX_TOKENS = 24
 MASK_TOKEN_ID = 3  # the character tokenizer's <unk>
-# vLLM's DFlash model holds a mask embedding for checkpoints that ship one (`mask_embedding.pt`); ours reads the
-# target's embedding row of the mask token, so that parameter never comes from the checkpoint.
-VLLM_ONLY = ("model.mask_embedding",)
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +118,9 @@ def test_vllm_loads_every_tensor_and_matches_hf_greedy_and_acceptance(setup, vll
     # checkpoint, and vLLM holds exactly the saved values.
     layout = engine.llm.collective_rpc(describe_models)[0]["draft"]
     assert layout.architecture == "DFlashQwen3ForCausalLM"
-    assert set(VLLM_ONLY) <= set(layout.params)
-    ours = ModelLayout(
-        params={name: shape for name, shape in layout.params.items() if name not in VLLM_ONLY},
-        packed_modules=layout.packed_modules,
-        tie_word_embeddings=layout.tie_word_embeddings,
-    )
+    assert DFlashNames.vllm_only <= set(layout.params)  # never synced, never reported missing
     saved = load_file(folder / "model.safetensors")
-    expected = ours.fuse_and_check(list(saved.items()), names=DFlashNames(), what="draft")
+    expected = layout.fuse_and_check(list(saved.items()), names=DFlashNames(), what="draft")
     assert not engine.llm.collective_rpc(find_mismatches, args=("draft", expected))[0]
     assert ("draft_id_to_target_id" in expected) == (draft.config.draft_vocab_size < draft.config.vocab_size)
 
