@@ -141,7 +141,13 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
     )
     assert json.loads((run / "summary.json").read_text())["eagle3"]["end_to_end_speedup"] == spec["end_to_end_speedup"]
     assert (run / "results.png").stat().st_size > 10_000
-    draft = run / "draft"
+    # every drafter family raced the baseline, each with its own final policy and draft
+    dflash = summary["dflash"]
+    assert dflash["end_to_end_speedup"] > 0 and dflash["rollout_speedup"] > 0
+    assert dflash["share_draft_training"] > 0 and rows[0]["acceptance_cotrained_dflash"] >= 1.0
+    assert all(0.0 <= row["reward_dflash"] <= 1.0 for row in rows[1:])
+    assert json.loads((run / "dflash" / "draft" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    draft = run / "eagle3" / "draft"
     assert json.loads((draft / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (draft / "model.safetensors").exists()
     # its card: metadata the Hub reads, the final policy saved beside it named, and a snippet that runs
@@ -151,11 +157,12 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
     assert "final policy of the same run**, `policy` (a local model" in card and "vllm serve policy" in card
     assert_no_local_path(card, tmp_path_factory)
     draft_id = re.search(r'Eagle3DraftModel.from_pretrained\("([^"]+)"', card).group(1)
-    printed = run_card_snippet(card, {"policy": run / "policy", draft_id: draft}, tmp_path)
+    printed = run_card_snippet(card, {"policy": run / "eagle3" / "policy", draft_id: draft}, tmp_path)
     assert printed.strip()  # the letters policy's tokenizer keeps only the prompt's letters: no echo to compare
     # the final policy, saved next to the draft it pairs with, and every logged metric of both runs
-    assert json.loads((run / "policy" / "config.json").read_text())["num_hidden_layers"] == 12
-    assert (run / "policy" / "model.safetensors").exists() and (run / "policy" / "tokenizer.json").exists()
+    policy = run / "eagle3" / "policy"
+    assert json.loads((policy / "config.json").read_text())["num_hidden_layers"] == 12
+    assert (policy / "model.safetensors").exists() and (policy / "tokenizer.json").exists()
     histories = json.loads((run / "log_history.json").read_text())
     assert [entry["step"] for entry in histories["eagle3"] if "reward" in entry] == [1, 2]
     assert any("draft/loss" in entry for entry in histories["eagle3"])
@@ -163,6 +170,7 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
     # the second run reuses the cached policy and draft
     cached = json.loads((tmp_path / "cache" / "embedded" / "manifest.json").read_text())
     assert cached["sft_steps"] == 4
+    assert json.loads((tmp_path / "cache" / "embedded" / "draft-dflash.json").read_text())["warm_start_steps"] == 3
 
 
 @pytest.mark.vllm

@@ -38,6 +38,7 @@ JOB_ARGS = [
     *(arg for name, value in ASSETS.items() for arg in (f"--{name}", str(value))),
     *("--max_steps", str(MAX_STEPS), "--max_completion_length", "16", "--probe_prompts", "0"),
     *("--per_device_train_batch_size", "4", "--num_generations", "4"),
+    *("--drafter", "eagle3"),  # one speculative run: the recorder keeps one trainer's record per rank
 ]
 TWO_PROCESSES = ("--num_processes", "2")
 # beta > 0 loads a reference model: under CPU-RAM-efficient loading it must be right on every rank too.
@@ -99,8 +100,8 @@ def embedded_cache(tmp_path_factory) -> EmbeddedCache:
     """The job's embedded policy and warm-start draft, built once for every launch."""
     folder = tmp_path_factory.mktemp("grpo-cache")
     with torch.random.fork_rng(devices=[]):
-        policy_dir, draft_dir, _ = embedded_assets(folder, seed=0, **ASSETS)
-    return EmbeddedCache(folder, checkpoint_sums(policy_dir), checkpoint_sums(draft_dir))
+        policy_dir, draft_dirs, _ = embedded_assets(folder, seed=0, **ASSETS)
+    return EmbeddedCache(folder, checkpoint_sums(policy_dir), checkpoint_sums(draft_dirs["eagle3"]))
 
 
 def launch_job(launch: Launch, cache: Path, folder: Path) -> float:

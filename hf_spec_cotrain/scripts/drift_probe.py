@@ -39,7 +39,7 @@ class DriftProbe(TrainerCallback):
         self.log = log
         self.rollout_rewards: list[tuple[list[float], list[float]]] = []  # (speculative, plain) per probe
         self.seconds = 0.0
-        self.frozen_draft = _copy_draft(trainer.draft)
+        self.frozen_draft = _copy_draft(trainer.draft, trainer.accelerator.unwrap_model(trainer.model))
         self.initial_policy = _copy_policy(trainer)
         tokenizer = trainer.processing_class
         ids = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
@@ -139,11 +139,12 @@ class DriftProbe(TrainerCallback):
         }
 
 
-def _copy_draft(draft: DraftModel) -> DraftModel:
+def _copy_draft(draft: DraftModel, policy) -> DraftModel:
+    """A frozen copy bound to the live policy: it reads the policy's current embedding (and head, where the family
+    shares it), as vLLM shares them."""
     frozen = type(draft)(draft.config).to(draft.device)
     frozen.load_state_dict(draft.state_dict())
-    frozen.__dict__["_target_embedding"] = draft.target_embedding  # same (policy's) embedding, as vLLM shares it
-    return frozen.eval().requires_grad_(False)
+    return frozen.bind_target(policy).eval().requires_grad_(False)
 
 
 def _copy_policy(trainer):

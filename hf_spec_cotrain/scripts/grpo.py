@@ -44,6 +44,7 @@ from transformers.utils.logging import disable_progress_bar
 from trl import TrlParser
 
 from ..config import SpecCoTrainConfig
+from ..draft.families import drafter_family, runnable_drafters
 from ..parallel.dims import ParallelDims
 from ..trainer import SpecCoTrainGRPOTrainer
 from .baselines import TimedGRPOTrainer, VLLMBaselineGRPOTrainer
@@ -83,6 +84,13 @@ class ScriptArguments:
         default=256, metadata={"help": "Policy samples the embedded draft is warm-started on."}
     )
     baseline: bool = field(default=True, metadata={"help": "Also run the same GRPO without speculation."})
+    drafters: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Embedded default only: the drafter families raced in turns (default: every family the "
+            "configuration can run; `--drafter` alone runs that one)."
+        },
+    )
     probe_prompts: int = field(
         default=16, metadata={"help": "Prompts of the co-trained vs frozen draft probe (0 disables it)."}
     )
@@ -105,8 +113,6 @@ def load_reward(name: str):
 # HF-native run's results.
 OUTPUT_ROOT = "outputs/grpo"
 _VARIANT_OUTPUT_DIR = f"{OUTPUT_ROOT}/<variant>"
-
-SPEC_RUN = "eagle3"  # the speculative run, named by its drafter family
 
 EMBEDDED_DEFAULTS = dict(
     per_device_train_batch_size=8,
@@ -150,6 +156,12 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
         dims = ParallelDims.from_config(config)
         if not (dims.cp_enabled or dims.pp_enabled):
             config.draft_train_fraction = EMBEDDED_DRAFT_TRAIN_FRACTION
+    if not embedded or _given(argv, "drafter") or _given(argv, "draft_model_name_or_path"):
+        script.drafters = [config.drafter]
+    elif not script.drafters:
+        script.drafters = runnable_drafters(config)
+    for drafter in script.drafters:
+        drafter_family(drafter, field="drafters")
     if config.output_dir == _VARIANT_OUTPUT_DIR:
         config.output_dir = str(Path(OUTPUT_ROOT) / variant_name(script, config))
     config.push_draft_to_hub = config.push_draft_to_hub or config.push_to_hub
@@ -186,15 +198,18 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if script.model_name_or_path is None:
-        policy_dir, draft_dir, dataset = embedded_assets(
+        policy_dir, draft_dirs, dataset = embedded_assets(
             script.cache_dir,
             sft_steps=script.sft_steps,
             warm_start_steps=script.warm_start_steps,
             warm_start_samples=script.warm_start_samples,
             seed=config.seed,
+            drafters=tuple(script.drafters),
         )
         model, tokenizer = str(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
-        warm_starts = {SPEC_RUN: config.draft_model_name_or_path or str(draft_dir)}
+        warm_starts = {
+            drafter: config.draft_model_name_or_path or str(folder) for drafter, folder in draft_dirs.items()
+        }
         probe_prompts = dataset["prompt"][-script.probe_prompts :] if script.probe_prompts else []
     else:
         if script.dataset_name is None:
@@ -203,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         model, tokenizer = script.model_name_or_path, AutoTokenizer.from_pretrained(script.model_name_or_path)
         dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
-        warm_starts = {SPEC_RUN: config.draft_model_name_or_path}
+        warm_starts = {config.drafter: config.draft_model_name_or_path}
         probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
     reward_funcs = [load_reward(name) for name in script.reward_funcs]
 
@@ -214,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def spec_config(run: str) -> SpecCoTrainConfig:
         run_config = copy.deepcopy(config)
+        run_config.drafter = run
         run_config.draft_model_name_or_path = warm_starts[run]
         if len(warm_starts) > 1:
             run_config.output_dir = str(output_dir / run)

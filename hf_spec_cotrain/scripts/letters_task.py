@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from transformers import AutoModelForCausalLM
 
 from ..testing import build_char_tokenizer, build_tiny_target
 from ..warmstart import DraftTrainingConfig, train_draft
@@ -20,7 +21,7 @@ REWARDED_LETTERS = set("efgh")
 SEED_LENGTH, COMPLETION_LENGTH = 4, 128
 MIN_DISTINCT_LETTERS = 5
 TASK_SEED = 0
-ASSETS_VERSION = 5  # bump when the policy or the draft would be built differently
+ASSETS_VERSION = 6  # bump when the policy or the draft would be built differently
 
 
 def markov_chain() -> torch.Tensor:
@@ -60,45 +61,72 @@ def letters(completions, **kwargs) -> list[float]:
     return rewards
 
 
+# The warm start of each drafter family: EAGLE-3 as before; DFlash two layers (one block forward reads the whole
+# context once, where EAGLE-3's chain runs its layer K times) and more anchors per sequence (its blocks are few).
+WARM_STARTS = {
+    "eagle3": {},
+    "dflash": {"num_layers": 2, "dflash_anchors_per_row": 16},
+}
+
+
 def embedded_assets(
-    cache_dir: str | Path, *, sft_steps: int, warm_start_steps: int, warm_start_samples: int, seed: int
-) -> tuple[Path, Path, Dataset]:
-    """The embedded policy and its warm-start draft (built once, then cached under ``cache_dir``) and the GRPO
-    prompts. Budgets are in steps, not seconds, so that a busy machine builds the same policy and draft."""
+    cache_dir: str | Path,
+    *,
+    sft_steps: int,
+    warm_start_steps: int,
+    warm_start_samples: int,
+    seed: int,
+    drafters: tuple[str, ...] = ("eagle3",),
+) -> tuple[Path, dict[str, Path], Dataset]:
+    """The embedded policy, a warm-start draft of each of ``drafters`` (each built once, then cached under
+    ``cache_dir``) and the GRPO prompts. Budgets are in steps, not seconds, so that a busy machine builds the same
+    policy and drafts."""
     chain = markov_chain()
     generator = torch.Generator().manual_seed(seed)
     prompts = Dataset.from_dict({"prompt": [s + ":" for s in sample_letters(chain, 1024, SEED_LENGTH, generator)]})
-    settings = {
-        "version": ASSETS_VERSION,
-        "sft_steps": sft_steps,
-        "warm_start_steps": warm_start_steps,
-        "warm_start_samples": warm_start_samples,
-    }
+    settings = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "seed": seed}
+    draft_settings = {**settings, "warm_start_steps": warm_start_steps, "warm_start_samples": warm_start_samples}
     root = Path(cache_dir).expanduser() / "embedded"
-    policy_dir, draft_dir, manifest = root / "policy", root / "draft", root / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()) == settings:
-        print(f"[grpo] embedded policy and warm-start draft from the cache: {root}")
-        return policy_dir, draft_dir, prompts
+    policy_dir, manifest = root / "policy", root / "manifest.json"
     tokenizer = build_char_tokenizer(alphabet=LETTERS + ":")
-    policy = supervised_policy(tokenizer, chain, sft_steps, seed)
-    policy.save_pretrained(policy_dir)
-    tokenizer.save_pretrained(policy_dir)
-    # The draft learns from what the policy actually writes.
-    samples = generate_texts(policy, tokenizer, prompts["prompt"][:warm_start_samples], temperature=1.0)
-    draft_config = DraftTrainingConfig(
-        output_dir=str(draft_dir),
-        max_steps=warm_start_steps,
-        batch_size=32,
-        max_length=64,
-        learning_rate=2e-3,
-        warmup_steps=20,
-        eval_steps=100,
-        seed=seed,
-    )
-    result = train_draft(policy, tokenizer, Dataset.from_dict({"text": samples}), draft_config)
-    print(f"[grpo] warm-start draft: {result.steps} steps, held-out {result.history[-1]}")
-    manifest.write_text(json.dumps(settings))
-    return policy_dir, draft_dir, prompts
+    if manifest.exists() and json.loads(manifest.read_text()) == settings:
+        print(f"[grpo] embedded policy from the cache: {root}")
+        policy = None
+    else:
+        policy = supervised_policy(tokenizer, chain, sft_steps, seed)
+        policy.save_pretrained(policy_dir)
+        tokenizer.save_pretrained(policy_dir)
+        manifest.write_text(json.dumps(settings))
+        for stale in root.glob("draft-*.json"):  # drafts of another policy
+            stale.unlink()
+    draft_dirs = {}
+    for drafter in drafters:
+        draft_dir, draft_manifest = root / f"draft-{drafter}", root / f"draft-{drafter}.json"
+        draft_dirs[drafter] = draft_dir
+        if draft_manifest.exists() and json.loads(draft_manifest.read_text()) == draft_settings:
+            continue
+        if policy is None:
+            policy = AutoModelForCausalLM.from_pretrained(policy_dir)
+        # The draft learns from what the policy actually writes.
+        samples = generate_texts(policy, tokenizer, prompts["prompt"][:warm_start_samples], temperature=1.0)
+        draft_config = DraftTrainingConfig(
+            output_dir=str(draft_dir),
+            drafter=drafter,
+            max_steps=warm_start_steps,
+            batch_size=32,
+            max_length=64,
+            learning_rate=2e-3,
+            warmup_steps=20,
+            eval_steps=100,
+            seed=seed,
+            # the characters fill the vocabulary: DFlash's blocks are filled with <unk>, which no letter is
+            dflash_mask_token_id=tokenizer.unk_token_id,
+            **WARM_STARTS.get(drafter, {}),
+        )
+        result = train_draft(policy, tokenizer, Dataset.from_dict({"text": samples}), draft_config)
+        print(f"[grpo] warm-start {drafter} draft: {result.steps} steps, held-out {result.history[-1]}")
+        draft_manifest.write_text(json.dumps(draft_settings))
+    return policy_dir, draft_dirs, prompts
 
 
 def supervised_policy(tokenizer, chain: torch.Tensor, steps: int, seed: int):
