@@ -24,10 +24,11 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
+from ..attention.decoding import compact_slots
 from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
 from .upload import push_draft_folder
 from .vocab import vocab_maps
@@ -112,6 +113,39 @@ class DraftProposer(abc.ABC):
     @abc.abstractmethod
     def compact(self) -> None:
         """Drop cache slots no later round can see (a hint, called after each round)."""
+
+
+class CachedProposer(DraftProposer):
+    """A proposer whose state is the draft's own KV cache with a slot mask (False at holes and padding) and the
+    verified positions waiting for the next round that drafts (``pending``: rounds of K = 0 never run the draft).
+    Subclasses decide what of `catch_up`'s inputs they keep (`pending_inputs`) and how a round uses them."""
+
+    def __init__(self, draft: "DraftModel", embed: Callable[[torch.Tensor], torch.Tensor]):
+        self.draft, self.embed = draft, embed
+        self.cache = DynamicCache()
+        self.slot_mask: torch.Tensor | None = None  # [R, slots]
+        self.pending: list[tuple[torch.Tensor, ...]] = []
+
+    def pending_inputs(
+        self, next_tokens: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """What of one `catch_up` the family keeps for its next round (all of it by default)."""
+        return next_tokens, taps, position_ids, valid
+
+    def catch_up(
+        self, next_tokens: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        if self.slot_mask is None:
+            self.slot_mask = valid[:, :0]
+        self.pending.append(self.pending_inputs(next_tokens, taps, position_ids, valid))
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.slot_mask = self.slot_mask[keep]
+        self.pending = [tuple(t[keep] for t in chunk) for chunk in self.pending]
+
+    def compact(self) -> None:
+        self.slot_mask = compact_slots(self.cache, self.slot_mask)
 
 
 class DraftModel(PreTrainedModel):

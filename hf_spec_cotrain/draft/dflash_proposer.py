@@ -11,19 +11,16 @@ After the target has emitted ``x_n`` (position ``n``), a round of K drafts:
    The block's keys are never cached: the next round's context holds the verified tokens' own.
 """
 
-from collections.abc import Callable
-
 import torch
-from transformers import DynamicCache
 
-from ..attention.decoding import compact_slots, grouped_attention
-from .base import DraftModel, DraftProposer, SampleFn
+from ..attention.decoding import grouped_attention
+from .base import CachedProposer, SampleFn
 
 
 __all__ = ["DFlashProposer"]
 
 
-class DFlashProposer(DraftProposer):
+class DFlashProposer(CachedProposer):
     """One generate call's DFlash drafting state: the context keys and values per layer, their slot mask, and the
     verified positions waiting to join them (``pending``: kept until a round drafts, so rounds of K = 0 never run the
     draft).
@@ -34,19 +31,11 @@ class DFlashProposer(DraftProposer):
         embed: token ids -> the target's embeddings in the draft's dtype (the anchor's and the mask token's).
     """
 
-    def __init__(self, draft: DraftModel, embed: Callable[[torch.Tensor], torch.Tensor]):
-        self.draft, self.embed = draft, embed
-        self.cache = DynamicCache()
-        self.slot_mask: torch.Tensor | None = None  # [R, slots] bool: False at holes and padding
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def catch_up(
+    def pending_inputs(
         self, next_tokens: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
-    ) -> None:
+    ) -> tuple[torch.Tensor, ...]:
         """Only the taps become context (the tokens reach the draft as the next anchor, or through the taps)."""
-        if self.slot_mask is None:
-            self.slot_mask = valid[:, :0]
-        self.pending.append((taps, position_ids, valid))
+        return taps, position_ids, valid
 
     def propose(
         self, last_token: torch.Tensor, next_position: torch.Tensor, k: int, sample: SampleFn
@@ -83,14 +72,6 @@ class DFlashProposer(DraftProposer):
 
         hidden = draft.backbone(embeds, positions, attend)
         return draft.compute_logits(hidden[:, 1:])
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
-        self.slot_mask = self.slot_mask[keep]
-        self.pending = [tuple(t[keep] for t in chunk) for chunk in self.pending]
-
-    def compact(self) -> None:
-        self.slot_mask = compact_slots(self.cache, self.slot_mask)
 
     def _append_pending(self) -> None:
         """The pending verified positions become context slots (their keys and values in every layer)."""

@@ -14,19 +14,16 @@ The cache is never cropped: a rejected slot is a hole of the slot mask (`causal_
 outnumber the kept slots (`compact_slots`).
 """
 
-from collections.abc import Callable
-
 import torch
-from transformers import DynamicCache
 
-from ..attention.decoding import causal_slot_mask, compact_slots, grouped_attention
-from .base import DraftModel, DraftProposer, SampleFn
+from ..attention.decoding import causal_slot_mask, grouped_attention
+from .base import CachedProposer, SampleFn
 
 
 __all__ = ["Eagle3Proposer"]
 
 
-class Eagle3Proposer(DraftProposer):
+class Eagle3Proposer(CachedProposer):
     """One generate call's EAGLE-3 drafting state: its KV cache, slot mask and the verified positions waiting for
     the next catch-up (``pending``: kept until a round drafts, so rounds of K = 0 never run the draft).
 
@@ -34,19 +31,6 @@ class Eagle3Proposer(DraftProposer):
         draft: an `Eagle3DraftModel` (its four-call interface: `embed_input_ids` aside, all it runs).
         embed: token ids -> the target's embeddings in the draft's dtype.
     """
-
-    def __init__(self, draft: DraftModel, embed: Callable[[torch.Tensor], torch.Tensor]):
-        self.draft, self.embed = draft, embed
-        self.cache = DynamicCache()
-        self.slot_mask: torch.Tensor | None = None  # [R, slots] bool: False at holes and padding
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def catch_up(
-        self, next_tokens: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor
-    ) -> None:
-        if self.slot_mask is None:
-            self.slot_mask = valid[:, :0]
-        self.pending.append((next_tokens, taps, position_ids, valid))
 
     def propose(
         self, last_token: torch.Tensor, next_position: torch.Tensor, k: int, sample: SampleFn
@@ -65,14 +49,6 @@ class Eagle3Proposer(DraftProposer):
                 draft_logits, hidden = self._chain_step(token, hidden, next_position + step)
         self.slot_mask[:, speculative_start:] = False  # speculative entries never serve a later round
         return torch.stack(drafts, dim=1), draft_probs
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
-        self.slot_mask = self.slot_mask[keep]
-        self.pending = [tuple(t[keep] for t in chunk) for chunk in self.pending]
-
-    def compact(self) -> None:
-        self.slot_mask = compact_slots(self.cache, self.slot_mask)
 
     def _chain_step(
         self, token: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor
