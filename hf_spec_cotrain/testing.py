@@ -41,6 +41,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_pass_through_draft",
     "build_tiny_target",
+    "left_padded_prompts",
     "recorded_checkpoint_reads",
     "save_tiny_target",
     "storage_bytes",
@@ -275,6 +276,21 @@ def _fill_seeded(model: PreTrainedModel, *, seed: int) -> None:
         else:
             values = noise / param.shape[-1] ** 0.5
         param.copy_(values)
+
+
+def left_padded_prompts(
+    lengths: list[int], vocab_size: int, *, seed: int
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Random prompts of these lengths (ids from 4 up: past the char tokenizer's specials), left-padded as TRL pads
+    them: ``(input_ids, attention_mask)``."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(4, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
 
 
 def save_tiny_target(folder: str | Path, family: str = "llama", **kwargs) -> Path:

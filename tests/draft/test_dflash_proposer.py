@@ -13,7 +13,7 @@ from hf_spec_cotrain.draft.dflash_objective import DFlashTrainingOptions
 from hf_spec_cotrain.generation.adaptive import FixedSpeculation
 from hf_spec_cotrain.generation.speculative import speculative_generate
 from hf_spec_cotrain.taps import TapRecorder
-from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, left_padded_prompts
 
 
 MASK_TOKEN_ID = 3  # the character tokenizer's <unk>: never generated from these prompts' alphabet
@@ -159,17 +159,6 @@ def fit_dflash(target, rows, *, steps, num_layers=2, block_size=6, draft_vocab_s
         loss.backward()
         optimizer.step()
     return draft.eval()
-
-
-def left_padded_prompts(lengths, vocab_size, *, seed):
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(4, vocab_size, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
 
 
 @functools.cache

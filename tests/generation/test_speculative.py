@@ -14,7 +14,7 @@ from hf_spec_cotrain import Eagle3DraftModel, TapRecorder, ttt_loss
 from hf_spec_cotrain.generation import verification
 from hf_spec_cotrain.generation.speculative import speculative_generate
 from hf_spec_cotrain.generation.verification import greedy_verify, rejection_sample, residual_distribution
-from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
+from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, left_padded_prompts
 
 
 # Qwen3.5 and Qwen3-Next: three linear-attention (Gated DeltaNet) layers to one full-attention layer.
@@ -40,17 +40,6 @@ def _target(family, *, seed=0, sliding_window=None):
         sliding_window=sliding_window,
         seed=seed,
     )
-
-
-def _left_padded_prompts(lengths, vocab_size, *, seed):
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(4, vocab_size, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
 
 
 def _greedy_rows(target, input_ids, attention_mask, *, new_tokens=28):
@@ -88,7 +77,7 @@ def _fit_draft(target, rows, *, steps, draft_vocab_size=None, aux_layer_ids=None
 def _setup(family, sliding_window=None):
     """Target, a random draft, a trained draft (reduced vocabulary for qwen2) and its left-padded training prompts."""
     target = _target(family, sliding_window=sliding_window)
-    input_ids, attention_mask = _left_padded_prompts([6, 3, 5, 4, 6, 2, 5, 3], target.config.vocab_size, seed=1)
+    input_ids, attention_mask = left_padded_prompts([6, 3, 5, 4, 6, 2, 5, 3], target.config.vocab_size, seed=1)
     rows = _greedy_rows(target, input_ids, attention_mask)
     trained = _fit_draft(target, rows, steps=60, draft_vocab_size=60 if family == "qwen2" else None)
     torch.manual_seed(2)
