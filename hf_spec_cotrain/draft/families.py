@@ -29,13 +29,12 @@ DEFAULT_DRAFTER = Eagle3DraftModel.drafter_name
 
 
 def runnable_drafters(args) -> list[str]:
-    """The families a `SpecCoTrainConfig` like ``args`` (but for its `drafter`) can co-train: those that sync into
-    vLLM when its rollouts are vLLM's, that take context-parallel shards when it is context parallel."""
+    """The families a `SpecCoTrainConfig` like ``args`` (but for its `drafter`) can co-train: those that take
+    context-parallel shards when it is context parallel."""
     return [
         name
         for name, family in DRAFTER_FAMILIES.items()
-        if (family.syncs_into_vllm or not (args.use_vllm and args.speculative_decoding))
-        and (family.supports_context_parallel or args.context_parallel_size == 1)
+        if family.supports_context_parallel or args.context_parallel_size == 1
     ]
 
 

@@ -143,6 +143,33 @@ def load_draft_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
             _abort_layerwise_reload(model)
             raise
         finalize_layerwise_reload(model, worker.vllm_config.speculative_config.draft_model_config)
+    _rebuild_fused_context_kv(model)
+
+
+@torch.no_grad()
+def _rebuild_fused_context_kv(model: torch.nn.Module) -> None:
+    """Rebuild the context K/V buffers vLLM's DFlash model concatenates from its layers' weights when it loads them.
+
+    Its `load_weights` builds them last, which at start-up is before the kernels process the weights but on a reload
+    is after: on CPU each `qkv_proj.weight` is packed away by then and left empty, so the buffers would be empty and
+    the next draft forward fail. They are rebuilt by vLLM's own builder from the weights as the kernels hold them.
+    """
+    inner = getattr(model, "model", None)
+    build = getattr(inner, "_build_fused_kv_buffers", None)
+    if build is None:
+        return
+    packed = []
+    for layer in inner.layers:
+        proj = layer.self_attn.qkv_proj
+        spec = _logical_shape(proj, "weight", proj.weight)
+        if tuple(proj.weight.shape) != spec.shape:
+            packed.append((proj.weight, proj.weight.data))
+            proj.weight.data = _read_weight(proj, "weight", proj.weight, spec)
+    try:
+        build()
+    finally:
+        for param, data in packed:
+            param.data = data
 
 
 @torch.no_grad()

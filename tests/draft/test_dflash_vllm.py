@@ -4,6 +4,7 @@ HF's, and a draft trained to be good reaches the same acceptance in vLLM as in t
 is what a layout mismatch breaks (wrong tap ids, a missing norm, RoPE off by one would all leave greedy output
 equal, speculation being lossless, but not the acceptance): a copy with its tap ids off by one shows it."""
 
+import copy
 import json
 import shutil
 
@@ -147,3 +148,29 @@ def test_a_layout_mismatch_breaks_the_acceptance_parity(setup, vllm_engine_pool,
     assert out.completion_ids == hf_greedy(target, prompts, MAX_TOKENS)
     hf = hf_acceptance(target, draft, prompts)
     assert out.spec_decode.acceptance_length < 0.75 * hf, (out.spec_decode.acceptance_length, hf)
+
+
+def test_a_weight_sync_reaches_the_running_drafts_context_kv(setup, vllm_engine_pool):
+    """The trainer's per-step sync into a running engine: vLLM's DFlash model keeps fused copies of every layer's
+    context K/V projection and K norm, built when weights load. A sync of a perturbed draft must change acceptance
+    to the HF proposer's for that draft, and a sync back must restore the trained draft's parity (on vLLM-CPU,
+    stale copies made the next draft forward fail with a size mismatch)."""
+    family, target_dir, target, draft, folder, prompts = setup
+    engine = start_engine(vllm_engine_pool, ("dflash", family), target_dir, folder)
+    perturbed = copy.deepcopy(draft)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in perturbed.trainable_parameters():
+            param.add_(0.5 * param.std() * torch.randn(param.shape, generator=generator))
+    expected = hf_greedy(target, prompts, MAX_TOKENS)
+    try:
+        for current in (perturbed, draft):
+            engine.sync_weights("draft", current.state_dict().items(), verify=True)
+            out = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            assert out.completion_ids == expected
+            hf = hf_acceptance(target, current, prompts)
+            assert abs(out.spec_decode.acceptance_length - hf) < 0.1 * hf, (out.spec_decode.acceptance_length, hf)
+            if current is perturbed:
+                assert hf < 0.75 * hf_acceptance(target, draft, prompts), hf
+    finally:
+        engine.sync_weights("draft", draft.state_dict().items())

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -610,7 +611,7 @@ def test_generation_during_commits_sees_the_old_or_the_new_policy_never_a_mix(se
 def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_llama_drafts, tmp_path):
 
     before = server.client.weights_version()
-    trainer = _server_trainer(server, tiny_llama_drafts, tmp_path, max_steps=2)
+    trainer = _server_trainer(server, tiny_llama_drafts.folders["reduced", "a"], tmp_path, max_steps=2)
     try:
         trainer.train()
         after = server.client.weights_version()
@@ -628,6 +629,43 @@ def test_trainer_rolls_out_through_the_server_and_pushes_each_step(server, tiny_
             "policy", AutoModelForCausalLM.from_pretrained(server.target_dir).state_dict().items()
         )
         server.client.sync_weights("draft", server.drafts["a"].items())
+
+
+@pytest.mark.vllm
+def test_a_dflash_trainer_pushes_its_draft_through_the_server_every_step(vllm_engine_pool, tiny_llama_dir, tmp_path):
+    """A server of its own speculating with a DFlash draft: a `drafter="dflash"` run pushes its co-trained draft
+    every step, each push read back through vLLM's kernels, and every step's rollouts speculate."""
+    from hf_spec_cotrain.draft import DFlashDraftModel
+
+    vllm_engine_pool.close()
+    mask_token_id = AutoTokenizer.from_pretrained(tiny_llama_dir).unk_token_id
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    draft_dir = tmp_path / "dflash"
+    DFlashDraftModel.from_target(target, mask_token_id=mask_token_id, num_layers=1, block_size=4).save_pretrained(
+        draft_dir
+    )
+    process = ServerProcess(tiny_llama_dir, tmp_path, draft_dir=draft_dir, api_key=API_KEY)
+    try:
+        process.start()
+        handle = SimpleNamespace(client=process.new_client(), target_dir=tiny_llama_dir)
+        before = handle.client.weights_version()
+        trainer = _server_trainer(
+            handle,
+            draft_dir,
+            tmp_path,
+            max_steps=2,
+            drafter="dflash",
+            dflash_block_size=4,
+            dflash_mask_token_id=mask_token_id,
+            num_speculative_tokens=3,
+        )
+        trainer.train()
+        after = handle.client.weights_version()
+        assert after.draft == before.draft + 2  # one push per step, each verified by the server at commit
+        logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
+        assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
+    finally:
+        process.stop()
 
 
 @pytest.mark.vllm
@@ -674,7 +712,7 @@ def test_trainer_survives_a_server_restart_and_stops_clearly_once_it_is_gone(ser
     hub_token = "hf_test_token_c81f2e"
     trainer = _server_trainer(
         server,
-        tiny_llama_drafts,
+        tiny_llama_drafts.folders["reduced", "a"],
         tmp_path,
         save_strategy="steps",
         save_steps=1,
@@ -724,7 +762,7 @@ def test_trainer_survives_a_server_restart_and_stops_clearly_once_it_is_gone(ser
         server.client.sync_weights("draft", server.drafts["a"].items(), version=0)
 
 
-def _server_trainer(server, drafts, tmp_path, **overrides):
+def _server_trainer(server, draft_dir, tmp_path, **overrides):
     """A short GRPO run (3 steps, 8-token completions) whose rollouts go through the module's server."""
     from datasets import Dataset
     from tiny_policy import tiny_grpo_kwargs
@@ -741,7 +779,7 @@ def _server_trainer(server, drafts, tmp_path, **overrides):
             "vllm_mode": "server",
             "vllm_server_base_url": server.client.base_url,
             "vllm_server_api_key": API_KEY,
-            "draft_model_name_or_path": str(drafts.folders["reduced", "a"]),
+            "draft_model_name_or_path": str(draft_dir),
         }
         | overrides
     )

@@ -83,9 +83,3 @@ def test_more_tokens_per_round_than_the_block_is_refused_when_the_config_is_buil
 def test_dflash_under_context_parallelism_is_refused_when_the_config_is_built(tmp_path):
     with pytest.raises(ValueError, match="`drafter`='dflash' does not train under context parallelism"):
         SpecCoTrainConfig(**tiny_grpo_kwargs(tmp_path), drafter="dflash", context_parallel_size=2)
-
-
-def test_dflash_with_vllm_rollouts_is_refused_when_the_config_is_built(tmp_path):
-    """Its per-step sync into vLLM does not work yet: refused, not a plain fallback every step."""
-    with pytest.raises(ValueError, match="cannot be co-trained with vLLM rollouts yet"):
-        SpecCoTrainConfig(**tiny_grpo_kwargs(tmp_path), drafter="dflash", use_vllm=True, vllm_mode="colocate")

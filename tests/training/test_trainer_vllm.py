@@ -100,6 +100,38 @@ def test_vllm_rollouts_choose_k_per_call_under_auto(tmp_path, vllm_engine_pool, 
         engine.close()
 
 
+def test_a_dflash_draft_is_synced_every_step_and_accepts_in_vllm_what_it_accepts_in_hf(
+    tmp_path, vllm_engine_pool, tiny_policy_dir
+):
+    """`drafter="dflash"` with colocated vLLM rollouts: the draft co-trained by the step is synced into the running
+    engine, context K/V projections included, so every step speculates and vLLM's acceptance equals the HF-native
+    proposer's for the same draft after training."""
+    vllm_engine_pool.close()
+    pad = build_char_tokenizer().pad_token_id  # the character tokenizer leaves no unused row for the mask
+    trainer = _trainer(
+        tiny_policy_dir,
+        tmp_path,
+        drafter="dflash",
+        dflash_block_size=4,
+        dflash_mask_token_id=pad,
+        num_speculative_tokens=3,
+        draft_learning_rate=1e-3,
+        draft_warmup_steps=0,
+    )
+    engine = trainer.rollout_engine
+    try:
+        before = {name: p.detach().clone() for name, p in trainer.draft.named_parameters()}
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
+        assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
+        assert any(not torch.equal(before[name], p) for name, p in trainer.draft.named_parameters())
+
+        prompt_ids = _sync_and_verify(trainer)
+        _assert_same_acceptance_as_hf_native(trainer, prompt_ids)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_policies_train_with_speculative_vllm_rollouts(family, tmp_path, vllm_engine_pool):
     """Qwen3-MoE and gpt-oss: the experts (and gpt-oss's attention sinks) are synced and read back at every step, so
