@@ -13,7 +13,13 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from hf_spec_cotrain import cli
-from hf_spec_cotrain.draft import Eagle3DraftModel, Eagle3TrainingOptions, count_tokens, select_draft_vocab
+from hf_spec_cotrain.draft import (
+    DFlashDraftModel,
+    Eagle3DraftModel,
+    Eagle3TrainingOptions,
+    count_tokens,
+    select_draft_vocab,
+)
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
 from hf_spec_cotrain.warmstart import DraftTrainingConfig, evaluate_draft, tokenize_for_draft, train_draft
 
@@ -248,6 +254,25 @@ def test_cli_train_draft_on_json_and_saved_datasets(target_dir, tmp_path, capsys
     cli.main(["train-draft", "--config", str(yaml_file), *common])
     assert "train-draft: 2 steps" in capsys.readouterr().out
     assert Eagle3DraftModel.from_pretrained(out_chat).config.draft_vocab_size == len(build_char_tokenizer())
+
+
+def test_cli_train_draft_warm_starts_a_dflash_draft(target_dir, tmp_path, capsys):
+    """`--drafter dflash`: the same command trains a DFlash block draft with its own options and saves it as vLLM
+    loads it, with its card; the character tokenizer leaves no unused row for the mask token, so one is asked for."""
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text("".join(json.dumps({"text": text}) + "\n" for text in _sentences(12, seed=12)))
+    base = ["train-draft", "--model_name_or_path", str(target_dir), "--dataset_name", "json", "--drafter", "dflash"]
+    base += ["--data_files", str(data_file), "--max_steps", "2", "--batch_size", "4", "--max_length", "48"]
+    with pytest.raises(ValueError, match="`dflash_mask_token_id`"):
+        cli.main([*base, "--output_dir", str(tmp_path / "refused")])
+    out = tmp_path / "dflash"
+    mask = build_char_tokenizer().unk_token_id
+    cli.main([*base, "--output_dir", str(out), "--dflash_block_size", "5", "--dflash_mask_token_id", str(mask)])
+    assert "train-draft: 2 steps" in capsys.readouterr().out
+    draft = DFlashDraftModel.from_pretrained(out)
+    assert draft.config.block_size == 5 and draft.config.dflash_config["mask_token_id"] == mask
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    assert "DFlash" in (out / "README.md").read_text()
 
 
 def test_cli_train_draft_rejects_bad_options(target_dir, tmp_path):
