@@ -9,6 +9,9 @@ Stages (each with a time budget, all within ``--total_budget`` seconds, set-up i
 * hf_generate: the HF-native speculative generator against ``generate`` (greedy): rows equal in bf16 (reported;
   near-ties may differ) and in float32 (all must be equal);
 * generation_timings: speculative against plain generation (HF-native) at batch 1, 16 and 64;
+* dflash_kernels, dflash_generate, dflash_timings: the same for a DFlash block draft (its block-draft attention in
+  bf16 and fp16 against the float64 reference; greedy equality; timings, of an untrained draft: the cost of a
+  round, not its acceptance);
 * cotrain_overhead: GRPO step time with draft co-training against plain TRL (``bench_cotrain_overhead.run``);
 * cotrain_vllm: a bf16 co-training GRPO run with colocated speculative vLLM rollouts; the synced policy and draft
   are read back from the engine;
@@ -245,8 +248,11 @@ def kernel_backends(device: torch.device) -> list[str]:
     return ["auto", *fused, kernels.BLOCKWISE]
 
 
-def relative_errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> dict[str, float]:
-    names = ("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v")
+def relative_errors(
+    actual: list[torch.Tensor],
+    expected: list[torch.Tensor],
+    names: tuple[str, ...] = ("out", "dq", "dk", "dv", "dbranch_k", "dbranch_v"),
+) -> dict[str, float]:
     return {
         name: float((got.cpu().double() - want).norm() / want.norm())
         for name, got, want in zip(names, actual, expected)
@@ -310,6 +316,57 @@ def stage_kernels(ctx: Context) -> dict:
     }
 
 
+def stage_dflash_kernels(ctx: Context) -> dict:
+    """DFlash's block-draft attention on the device against the float64 CPU reference, forward and backward, over
+    packed documents with GQA and anchors anywhere past each document's first token."""
+    from hf_spec_cotrain.attention import block_draft_attention, block_draft_attention_reference
+
+    documents, head_dim, num_anchors, block_len = ctx.size(([1500, 7, 2589], 64, 256, 16), ([40, 3, 53], 32, 12, 4))
+    length = sum(documents)
+    starts = torch.tensor([0, *documents]).cumsum(0)
+    generator = torch.Generator().manual_seed(0)
+    allowed = torch.ones(length, dtype=torch.bool)
+    allowed[starts[:-1]] = False  # an anchor at a document's first token has no context
+    candidates = allowed.nonzero().flatten()
+    anchors = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]].sort().values[None]
+    kv = (1, 2, length, head_dim)
+    block = (1, 2, num_anchors, block_len, head_dim)
+    exact = {
+        "q": torch.randn(1, 8, num_anchors, block_len, head_dim, generator=generator, dtype=torch.float64),
+        "context_k": torch.randn(*kv, generator=generator, dtype=torch.float64),
+        "context_v": torch.randn(*kv, generator=generator, dtype=torch.float64),
+        "block_k": torch.randn(*block, generator=generator, dtype=torch.float64),
+        "block_v": torch.randn(*block, generator=generator, dtype=torch.float64),
+    }
+    upstream = torch.randn(exact["q"].shape, generator=generator, dtype=torch.float64)
+
+    def outputs_and_grads(fn, inputs, device):
+        leaves = {name: tensor.detach().clone().requires_grad_() for name, tensor in inputs.items()}
+        out = fn(**leaves, anchors=anchors.to(device), cu_seqlens=starts.to(device))
+        out.backward(upstream.to(out.device, out.dtype))
+        return [out.detach(), *(leaves[name].grad for name in exact)]
+
+    expected = outputs_and_grads(block_draft_attention_reference, exact, torch.device("cpu"))
+    names = ("out", *(f"d{name}" for name in exact))
+    runs = {}
+    for dtype in ctx.size((torch.bfloat16, torch.float16), (torch.bfloat16,)):
+        dtype_name = str(dtype).removeprefix("torch.")
+        inputs = {name: tensor.to(ctx.device, dtype) for name, tensor in exact.items()}
+        run = functools.partial(outputs_and_grads, block_draft_attention, inputs, ctx.device)
+        errors = relative_errors(run(), expected, names)
+        seconds = timed(run, ctx.device, repeats=ctx.size(3, 1))
+        runs[dtype_name] = {"relative_errors": errors, "forward_backward_ms": round(seconds * 1e3, 2)}
+        if max(errors.values()) > TOLERANCES[dtype_name]:
+            raise AssertionError(f"{dtype_name}: relative error over {TOLERANCES[dtype_name]:g} ({errors})")
+    worst = {name: max(run["relative_errors"].values()) for name, run in runs.items()}
+    return {
+        "summary": "within tolerance: "
+        + ", ".join(f"{name} worst {error:.2g}" for name, error in worst.items())
+        + f"; L={length}, {num_anchors} anchors x {block_len}, Hq=8, Hkv=2, D={head_dim}",
+        "runs": runs,
+    }
+
+
 def timed(fn: Callable[[], object], device: torch.device, *, repeats: int) -> float:
     """Mean seconds of `fn` over `repeats` calls (after the caller's warm-up call), synchronising the device."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -334,12 +391,19 @@ def model_sizes(ctx: Context) -> dict:
     )
 
 
-def tiny_models(ctx: Context, dtype: torch.dtype):
-    """The check's target (a locally built Llama) and a pass-through draft of it, on the device in `dtype`."""
+def tiny_models(ctx: Context, dtype: torch.dtype, drafter: str = "eagle3"):
+    """The check's target (a locally built Llama) and a draft of it, on the device in `dtype`: EAGLE-3 a
+    pass-through draft (high acceptance), DFlash an untrained block draft (2 layers, blocks of 4: the machinery, not
+    the acceptance)."""
+    from hf_spec_cotrain.draft import DFlashDraftModel
     from hf_spec_cotrain.testing import build_pass_through_draft, build_tiny_target
 
     target = build_tiny_target("llama", **model_sizes(ctx))
-    draft = build_pass_through_draft(target, seed=1, noise=0.05)
+    if drafter == "dflash":
+        torch.manual_seed(1)
+        draft = DFlashDraftModel.from_target(target, mask_token_id=3, num_layers=2, block_size=4)
+    else:
+        draft = build_pass_through_draft(target, seed=1, noise=0.05)
     return target.to(ctx.device, dtype).eval(), draft.to(ctx.device, dtype).eval()
 
 
@@ -360,10 +424,18 @@ def greedy_runs(target, draft, groups, *, max_new_tokens: int):
 
 
 def stage_hf_generate(ctx: Context) -> dict:
+    return hf_generate_equality(ctx, "eagle3")
+
+
+def stage_dflash_generate(ctx: Context) -> dict:
+    return hf_generate_equality(ctx, "dflash")
+
+
+def hf_generate_equality(ctx: Context, drafter: str) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     details = {}
     for dtype in (torch.bfloat16, torch.float32):
-        target, draft = tiny_models(ctx, dtype)
+        target, draft = tiny_models(ctx, dtype, drafter)
         prompts = random_prompts(8, 16, target.config.vocab_size)
         groups = [torch.tensor(prompts, device=ctx.device)]
         runs = greedy_runs(target, draft, groups, max_new_tokens=ctx.size(64, 16))
@@ -379,9 +451,17 @@ def stage_hf_generate(ctx: Context) -> dict:
 
 
 def stage_generation_timings(ctx: Context) -> dict:
+    return generation_timings(ctx, "eagle3")
+
+
+def stage_dflash_timings(ctx: Context) -> dict:
+    return generation_timings(ctx, "dflash")
+
+
+def generation_timings(ctx: Context, drafter: str) -> dict:
     from bench_speculative import time_alternating
 
-    target, draft = tiny_models(ctx, torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+    target, draft = tiny_models(ctx, torch.bfloat16 if ctx.device.type == "cuda" else torch.float32, drafter)
     batch_sizes = ctx.size((1, 16, 64), (1, 2, 4))
     prompts = random_prompts(max(batch_sizes), 16, target.config.vocab_size)
     rows = {}
@@ -575,6 +655,9 @@ STAGES = [
     Stage("kernels", 60, stage_kernels),
     Stage("hf_generate", 45, stage_hf_generate),
     Stage("generation_timings", 75, stage_generation_timings),
+    Stage("dflash_kernels", 60, stage_dflash_kernels),
+    Stage("dflash_generate", 45, stage_dflash_generate),
+    Stage("dflash_timings", 75, stage_dflash_timings),
     Stage("cotrain_overhead", 75, stage_cotrain_overhead),
     Stage("cotrain_vllm", 150, stage_cotrain_vllm, needs_vllm=True),
     Stage("server", 120, stage_server, needs_vllm=True),

@@ -108,7 +108,19 @@ def test_cpu_dry_run_of_the_real_stages(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     statuses = {stage["name"]: stage["status"] for stage in report["stages"]}
     assert statuses == {
-        **dict.fromkeys(["environment", "kernels", "hf_generate", "generation_timings", "cotrain_overhead"], "passed"),
+        **dict.fromkeys(
+            [
+                "environment",
+                "kernels",
+                "hf_generate",
+                "generation_timings",
+                "dflash_kernels",
+                "dflash_generate",
+                "dflash_timings",
+                "cotrain_overhead",
+            ],
+            "passed",
+        ),
         "cotrain_vllm": "skipped",
         "server": "skipped",
     }
