@@ -121,6 +121,7 @@ class DFlashDraftModel(DraftModel):
     config_class = DFlashDraftConfig
     config: DFlashDraftConfig
     supports_context_parallel = False  # the block attention through the ring is issue #36
+    supports_pipeline_parallel = False  # the mask token's embedding row is on the first stage, not sent with the taps
     drafter_name = "dflash"
     vllm_method = "dflash"
     checkpoint_architecture = DFLASH_ARCHITECTURE
