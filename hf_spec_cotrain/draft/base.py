@@ -165,10 +165,10 @@ class DraftModel(PreTrainedModel):
     drafter_name: ClassVar[str]
     vllm_method: ClassVar[str]
     supports_context_parallel: ClassVar[bool] = True
+    """Whether `training_loss` takes context-parallel shards; a family without it is refused at build under CP."""
     supports_pipeline_parallel: ClassVar[bool] = True
     """Whether it trains on the last stage from the taps alone; a family that needs more of the policy there (DFlash:
     the embedding of its mask token, which the first stage holds) is refused at build under pipeline parallelism."""
-    """Whether `training_loss` takes context-parallel shards; a family without it is refused at build under CP."""
     checkpoint_architecture: ClassVar[str]
     display_name: ClassVar[str]  # the family in messages ("EAGLE-3")
     card_template: ClassVar[str]  # its model card's template in the repository's model_cards/ (`draft.card`)
