@@ -259,6 +259,14 @@ def relative_errors(
     }
 
 
+def outputs_and_grads(fn, inputs: dict[str, torch.Tensor], upstream: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+    """`fn`'s output and the gradients of ``inputs`` (in their order) for the upstream gradient ``upstream``."""
+    leaves = {name: tensor.detach().clone().requires_grad_() for name, tensor in inputs.items()}
+    out = fn(**leaves, **kwargs)
+    out.backward(upstream.to(out.device, out.dtype))
+    return [out.detach(), *(leaf.grad for leaf in leaves.values())]
+
+
 def stage_kernels(ctx: Context) -> dict:
     """Branch attention on the device against the float64 CPU reference, per dtype, case and kernel."""
     from hf_spec_cotrain.attention import branch_attention, branch_attention_reference, kernels
@@ -278,16 +286,10 @@ def stage_kernels(ctx: Context) -> dict:
     }
     upstream = torch.randn(1, 8, length, head_dim, generator=generator, dtype=torch.float64)
 
-    def outputs_and_grads(fn, inputs, **kwargs):
-        leaves = {name: tensor.detach().clone().requires_grad_() for name, tensor in inputs.items()}
-        out = fn(**leaves, **kwargs)
-        out.backward(upstream.to(out.device, out.dtype))
-        return [out.detach(), *(leaves[name].grad for name in exact)]
-
     results, worst = {}, {}
     for case, doc_lengths in cases.items():
         cu_seqlens = None if doc_lengths is None else torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()])
-        expected = outputs_and_grads(branch_attention_reference, exact, cu_seqlens=cu_seqlens)
+        expected = outputs_and_grads(branch_attention_reference, exact, upstream, cu_seqlens=cu_seqlens)
         for dtype in dtypes:
             inputs = {name: tensor.to(ctx.device, dtype) for name, tensor in exact.items()}
             dtype_name = str(dtype).removeprefix("torch.")
@@ -295,7 +297,12 @@ def stage_kernels(ctx: Context) -> dict:
                 with kernels.forced_block_backend(None if backend == "auto" else backend):
                     device_cu = None if cu_seqlens is None else cu_seqlens.to(ctx.device)
                     run = functools.partial(
-                        outputs_and_grads, branch_attention, inputs, cu_seqlens=device_cu, block_size=block_size
+                        outputs_and_grads,
+                        branch_attention,
+                        inputs,
+                        upstream,
+                        cu_seqlens=device_cu,
+                        block_size=block_size,
                     )
                     actual = run()
                     seconds = timed(run, ctx.device, repeats=ctx.size(3, 1))
@@ -339,20 +346,14 @@ def stage_dflash_kernels(ctx: Context) -> dict:
         "block_v": torch.randn(*block, generator=generator, dtype=torch.float64),
     }
     upstream = torch.randn(exact["q"].shape, generator=generator, dtype=torch.float64)
-
-    def outputs_and_grads(fn, inputs, device):
-        leaves = {name: tensor.detach().clone().requires_grad_() for name, tensor in inputs.items()}
-        out = fn(**leaves, anchors=anchors.to(device), cu_seqlens=starts.to(device))
-        out.backward(upstream.to(out.device, out.dtype))
-        return [out.detach(), *(leaves[name].grad for name in exact)]
-
-    expected = outputs_and_grads(block_draft_attention_reference, exact, torch.device("cpu"))
+    expected = outputs_and_grads(block_draft_attention_reference, exact, upstream, anchors=anchors, cu_seqlens=starts)
     names = ("out", *(f"d{name}" for name in exact))
     runs = {}
     for dtype in ctx.size((torch.bfloat16, torch.float16), (torch.bfloat16,)):
         dtype_name = str(dtype).removeprefix("torch.")
         inputs = {name: tensor.to(ctx.device, dtype) for name, tensor in exact.items()}
-        run = functools.partial(outputs_and_grads, block_draft_attention, inputs, ctx.device)
+        on_device = {"anchors": anchors.to(ctx.device), "cu_seqlens": starts.to(ctx.device)}
+        run = functools.partial(outputs_and_grads, block_draft_attention, inputs, upstream, **on_device)
         errors = relative_errors(run(), expected, names)
         seconds = timed(run, ctx.device, repeats=ctx.size(3, 1))
         runs[dtype_name] = {"relative_errors": errors, "forward_backward_ms": round(seconds * 1e3, 2)}
