@@ -76,7 +76,9 @@ class DFlashAttention(nn.Module):
         """``k_norm(k_proj(x))`` with RoPE and ``v_proj(x)``, ``[B, Hkv, T, D]`` each: the block's keys from its
         normed input, the context's from ``ctx`` itself."""
         k = rotate(self.k_norm(self._heads(self.k_proj, x, self.num_key_value_heads)), cos, sin)
-        return k, self._heads(self.v_proj, x, self.num_key_value_heads)
+        # Under autocast the norm's float32 weight lifts k (and q) to float32 while v leaves its projection in the
+        # autocast dtype: one dtype for the attention.
+        return k, self._heads(self.v_proj, x, self.num_key_value_heads).to(k.dtype)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate(self.q_norm(self._heads(self.q_proj, x, self.num_heads)), cos, sin)
@@ -268,6 +270,10 @@ class DFlashDraftModel(DraftModel):
 
     def max_tokens_per_round(self) -> int:
         return self.config.block_size - 1
+
+    @staticmethod
+    def draft_forwards(k: int) -> int:
+        return min(k, 1)  # the whole block in one forward
 
     def loss_positions(self, options: DFlashTrainingOptions) -> int:
         return self.config.block_size - 1

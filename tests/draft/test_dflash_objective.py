@@ -188,6 +188,28 @@ def test_gradients_reach_every_draft_weight_and_never_the_target(reduced):
     assert ("lm_head.weight" in dict(draft.named_parameters())) == reduced
 
 
+def test_bf16_autocast_trains_close_to_float32():
+    """Under bf16 autocast (`bf16=True`, `draft_bf16=True`, a warm start's `bf16=True`) the projections come out in
+    bfloat16 and the normed, rotated queries and keys in float32: the objective still runs, its loss and gradients
+    close to float32's, every gradient in the weights' float32."""
+    target = build_tiny_target("qwen3", num_layers=6, seed=3)
+    draft = DFlashDraftModel.from_target(target, mask_token_id=3, num_layers=2, block_size=4)
+    input_ids = torch.randint(4, 100, (2, 20), generator=torch.Generator().manual_seed(0))
+    batch = target_batch(target, draft, input_ids, completion_start=6)
+    results = []
+    for bf16 in (False, True):
+        draft.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = draft.training_loss(batch, DFlashTrainingOptions(), generator=torch.Generator().manual_seed(0))
+        out.loss.backward()
+        results.append((out.loss.detach().float(), [p.grad.clone() for p in draft.parameters()]))
+    (loss, grads), (bf16_loss, bf16_grads) = results
+    torch.testing.assert_close(bf16_loss, loss, rtol=2e-2, atol=0)
+    for got, want in zip(bf16_grads, grads):
+        assert got.dtype == torch.float32
+        assert (got - want).norm() <= 0.1 * want.norm() + 1e-6
+
+
 def test_options_defaults_fields_and_refusals():
     class Args:
         pass
