@@ -477,6 +477,12 @@ class DraftModel(PreTrainedModel):
 
     # ------------------------------------------------------------------ generation and serving
 
+    @staticmethod
+    @abc.abstractmethod
+    def draft_forwards(k: int) -> int:
+        """Forwards of the draft in a round that proposes ``k`` tokens (a chain runs one per token, a block drafter
+        one in all): what the adaptive cost model multiplies the draft's measured cost per forward by."""
+
     @abc.abstractmethod
     def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> DraftProposer:
         """HF-native drafting state for one generate call; ``embed`` maps token ids to the target's embeddings

@@ -336,6 +336,10 @@ class Eagle3DraftModel(DraftModel):
             gradient_checkpointing=gradient_checkpointing,
         )
 
+    @staticmethod
+    def draft_forwards(k: int) -> int:
+        return k  # one chain step per proposed token
+
     def new_proposer(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> Eagle3Proposer:
         """Chain drafting over the draft's own KV cache (`Eagle3Proposer`)."""
         return Eagle3Proposer(self, embed)

@@ -11,8 +11,9 @@ choice is made per decoding round, from what the generator itself measured on th
   noisy round of a rarely run K cannot steer the choice), and joined by straight lines between the Ks run (the
   cost is flat in ``n`` while the forward is overhead-bound and steepens once it is compute-bound, so one line
   over every K would overprice the small Ks);
-* ``draft(b)``: seconds of the draft per proposed token (its chain steps and its pass over the verified
-  positions), measured on rounds with ``K > 0``;
+* ``draft(b)``: seconds of one draft forward (with its share of the pass over the verified positions), measured
+  on rounds with ``K > 0``; a round of K drafts runs ``forwards(K)`` of them: K for a chain drafter (EAGLE-3), one
+  for a block drafter (DFlash), whose cost per token thus falls as K grows;
 * ``alpha_i``: acceptance of draft position ``i`` given that positions ``< i`` were accepted, from the
   generator's own counters, exponentially forgotten (each position's estimate shrinks towards the one before it,
   so a position never drafted yet borrows its neighbour's rate).
@@ -22,7 +23,7 @@ slower or faster each round ran than predicted tracks the machine's drift (a loa
 alike): so K's measured a while ago stay comparable with the one running now, and the choice depends on their
 relative costs only.
 
-The predicted tokens per second of K are ``E(K) / (speed(b) * (target(b, K + 1) + K * draft(b)))`` with
+The predicted tokens per second of K are ``E(K) / (speed(b) * (target(b, K + 1) + forwards(K) * draft(b)))`` with
 ``E(K) = 1 + sum_{j=1..K} prod_{i<j} alpha_i`` tokens per round; K = 0 gives ``1 / target(b, 1)``. A new bucket
 first runs ``K_max``, 0 and 1 (the ends of the curve and its first step); then now and then it runs the K
 measured longest ago, so a stale estimate corrects itself: ``explore_interval`` rounds later, then at gaps that
@@ -31,6 +32,7 @@ double while explorations take the time the model predicted, and that start over
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -124,7 +126,7 @@ class _Bucket:
     last_k: int | None = None
     speed: float = 1.0  # seconds now per second at the reference speed
     target: dict[int, _Smoothed] = field(default_factory=dict)  # K + 1 -> seconds at the reference speed
-    draft: _Smoothed | None = None  # seconds per drafted token at the reference speed
+    draft: _Smoothed | None = None  # seconds per draft forward at the reference speed
     tokens: dict[int, _Smoothed] = field(default_factory=dict)  # K -> tokens emitted per row per round
     seconds: dict[int, _Smoothed] = field(default_factory=dict)  # K -> seconds per round, as measured
     calls: dict[bool, _Smoothed] = field(default_factory=dict)  # plain? -> tokens per second of whole calls
@@ -141,6 +143,8 @@ class AdaptiveSpeculation:
 
     Args:
         max_speculative_tokens: ``K_max``; K ranges over ``0 .. K_max``.
+        draft_forwards: forwards of the draft in a round of K drafts (`DraftModel.draft_forwards`; default K, a
+            chain drafter's).
         explore_interval: after this many rounds of a batch-size bucket, run the K measured longest ago. Each
             exploration whose round took what the model predicted (within ``explore_tolerance``) doubles the gap,
             up to ``max_explore_interval``; a surprise starts it over.
@@ -165,6 +169,7 @@ class AdaptiveSpeculation:
         self,
         max_speculative_tokens: int,
         *,
+        draft_forwards: Callable[[int], int] | None = None,
         explore_interval: int = 25,
         max_explore_interval: int | None = None,
         explore_tolerance: float = 0.25,
@@ -179,6 +184,7 @@ class AdaptiveSpeculation:
         call_smoothing: float = 0.3,
     ):
         self.max_speculative_tokens = check_int(max_speculative_tokens, "max_speculative_tokens")
+        self.draft_forwards = (lambda k: k) if draft_forwards is None else draft_forwards
         self.explore_interval = check_int(explore_interval, "explore_interval")
         self.max_explore_interval = check_int(
             8 * self.explore_interval if max_explore_interval is None else max_explore_interval,
@@ -288,7 +294,7 @@ class AdaptiveSpeculation:
         rounds: one exploration every 25 rounds cost about 4% of such calls. So the gap doubles while explorations
         find the times the model predicted, and starts over at a surprise, whose K the next exploration runs again
         (a stale estimate, as one noisy round leaves, is re-measured until it holds)."""
-        predicted = bucket.speed * _reference_round_seconds(bucket, k)
+        predicted = bucket.speed * self._reference_round_seconds(bucket, k)
         confirmed = abs(seconds / predicted - 1.0) <= self.explore_tolerance  # False while NaN
         gap = 2 * bucket.rounds_between_explorations if confirmed else self.explore_interval
         bucket.rounds_between_explorations = min(gap, self.max_explore_interval)
@@ -322,7 +328,7 @@ class AdaptiveSpeculation:
         bucket = self._buckets.get(batch_bucket(batch_size))
         if bucket is None:
             return math.nan
-        return bucket.speed * _reference_round_seconds(bucket, k)
+        return bucket.speed * self._reference_round_seconds(bucket, k)
 
     def predicted_tokens_per_second(self, batch_size: int, k: int) -> float:
         return self.expected_tokens(k) / self.predicted_round_seconds(batch_size, k)
@@ -359,17 +365,17 @@ class AdaptiveSpeculation:
         # from every round would let the running K's estimate absorb part of a slowdown and lose to stale rivals.
         point = bucket.target.get(k + 1)
         if k == bucket.last_k and point is not None and point.count >= self.first_rounds:
-            bucket.speed += self.drift_smoothing * (seconds / _reference_round_seconds(bucket, k) - bucket.speed)
+            bucket.speed += self.drift_smoothing * (seconds / self._reference_round_seconds(bucket, k) - bucket.speed)
             point.updated_at = now
         else:
             _feed(bucket.target, k + 1, (seconds - draft_seconds) / bucket.speed, weight, now, self.first_rounds)
         bucket.last_k = k
         if k:
-            per_token = draft_seconds / k / bucket.speed
+            per_forward = draft_seconds / self.draft_forwards(k) / bucket.speed
             if bucket.draft is None:
-                bucket.draft = _Smoothed(per_token, now)
+                bucket.draft = _Smoothed(per_forward, now)
             else:
-                bucket.draft.update(per_token, weight, now)
+                bucket.draft.update(per_forward, weight, now)
         _feed(bucket.seconds, k, seconds, weight, now)
         _feed(bucket.tokens, k, tokens_per_row, weight, now)
 
@@ -388,6 +394,13 @@ class AdaptiveSpeculation:
     def _ks(self) -> range:
         return range(self.max_speculative_tokens + 1)
 
+    def _reference_round_seconds(self, bucket: _Bucket, k: int) -> float:
+        """A round of K drafts at the bucket's reference speed (NaN until its parts were measured)."""
+        if not bucket.target or (k and bucket.draft is None):
+            return math.nan
+        draft = self.draft_forwards(k) * bucket.draft.value if k else 0.0
+        return _monotone_interpolation(bucket.target, k + 1) + draft
+
 
 def _plain_wins(bucket: _Bucket) -> bool:
     return bucket.calls[True].value > bucket.calls[False].value
@@ -400,13 +413,6 @@ def _feed(
         table[key].update(sample, weight, now, average_first=average_first)
     else:
         table[key] = _Smoothed(sample, now)
-
-
-def _reference_round_seconds(bucket: _Bucket, k: int) -> float:
-    """A round of K drafts at the bucket's reference speed (NaN until its parts were measured)."""
-    if not bucket.target or (k and bucket.draft is None):
-        return math.nan
-    return _monotone_interpolation(bucket.target, k + 1) + (k * bucket.draft.value if k else 0.0)
 
 
 def _monotone_interpolation(points: dict[int, _Smoothed], n: int, *, max_weight: int = 20) -> float:

@@ -303,7 +303,11 @@ def build_rollouts(
     ``policy_for_generation``: the strategy's context that unwraps the policy for HF-native generation."""
     # An engine call is seen as its average decoding step, already an average over many: one per K will do.
     speculation = (
-        AdaptiveSpeculation(args.max_speculative_tokens, first_rounds=1 if engine is not None else 2)
+        AdaptiveSpeculation(
+            args.max_speculative_tokens,
+            draft_forwards=draft.draft_forwards,
+            first_rounds=1 if engine is not None else 2,
+        )
         if args.num_speculative_tokens == "auto"
         else FixedSpeculation(args.num_speculative_tokens)
     )

@@ -11,6 +11,7 @@ from statistics_utils import g_test
 from test_speculative import EOS, P_VALUE_THRESHOLD, _exact, _reference_counts, _sample, _setup, _small_vocab_setup
 
 from hf_spec_cotrain import AdaptiveSpeculation, SpecCoTrainConfig
+from hf_spec_cotrain.draft import DFlashDraftModel
 from hf_spec_cotrain.draft.eagle3_proposer import Eagle3Proposer
 from hf_spec_cotrain.generation.adaptive import FixedSpeculation, batch_bucket
 from hf_spec_cotrain.generation.decoder import SpeculativeDecoder
@@ -139,10 +140,11 @@ def test_rounds_of_any_k_keep_the_target_distribution(ks, draft_sampling, family
 
 def _fed(model, batch_size, *, target, draft, acceptance, rounds=3):
     """Feed ``model`` rounds at every K with the costs ``target(n)`` (seconds for n tokens per row) and ``draft``
-    (seconds per drafted token), and drafts accepted at rate ``acceptance`` per position."""
+    (seconds per draft forward, `draft_forwards(K)` of them per round), and drafts accepted at rate ``acceptance``
+    per position."""
     for _ in range(rounds):
         for k in range(model.max_speculative_tokens + 1):
-            draft_seconds = k * draft
+            draft_seconds = model.draft_forwards(k) * draft
             model.observe_round(
                 batch_size, k, seconds=target(k + 1) + draft_seconds, draft_seconds=draft_seconds, tokens_per_row=1
             )
@@ -164,6 +166,18 @@ def test_k_is_positive_where_speculation_pays():
     model = _fed(AdaptiveSpeculation(5), 1, target=lambda n: 0.01 + 0.0005 * n, draft=0.001, acceptance=0.9)
     assert model.best(1) >= 3
     assert model.predicted_speedup(1) > 2
+
+
+def test_a_block_drafter_pays_its_forward_once_per_round_and_so_drafts_further():
+    """A chain drafter (EAGLE-3) runs a forward per proposed token, a block drafter (DFlash) one per round: at the
+    same cost per forward the chain stops at K = 1 where the block drafter goes to K_max. Priced per token, as for a
+    chain, the block drafter's long rounds would look K times too dear and it would draft little or not at all."""
+    costs = dict(target=lambda n: 0.01 + 0.001 * n, draft=0.006, acceptance=0.8)
+    chain = _fed(AdaptiveSpeculation(7), 1, **costs)
+    block = _fed(AdaptiveSpeculation(7, draft_forwards=DFlashDraftModel.draft_forwards), 1, **costs)
+    assert chain.best(1) == 1 and block.best(1) == 7
+    assert block.predicted_round_seconds(1, 7) == pytest.approx(0.01 + 0.001 * 8 + 0.006)
+    assert chain.predicted_round_seconds(1, 7) == pytest.approx(0.01 + 0.001 * 8 + 7 * 0.006)
 
 
 def test_k_follows_the_batch_size():

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from tiny_policy import tiny_grpo_kwargs
 
-from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain import AdaptiveSpeculation, SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.draft import DFlashDraftModel
 from hf_spec_cotrain.testing import build_char_tokenizer
 
@@ -61,6 +61,18 @@ def test_dflash_draft_cotrains_speculates_every_round_and_saves_as_vllm_loads_it
     for name, tensor in loaded.state_dict().items():
         torch.testing.assert_close(tensor, draft.state_dict()[name].to(tensor.dtype), rtol=0, atol=0)
     assert "DFlash" in (folder / "README.md").read_text()
+
+
+def test_auto_prices_a_dflash_round_at_one_draft_forward(tiny_policy_dir, tmp_path):
+    """The rollouts' cost model knows the block drafter: a round of K drafts runs the draft once, not K times."""
+    trainer = _trainer(
+        tiny_policy_dir,
+        tmp_path,
+        num_speculative_tokens="auto",
+        dflash_mask_token_id=build_char_tokenizer().pad_token_id,
+    )
+    assert isinstance(trainer.rollouts.speculation, AdaptiveSpeculation)
+    assert [trainer.rollouts.speculation.draft_forwards(k) for k in range(4)] == [0, 1, 1, 1]
 
 
 def test_a_tokenizer_that_fills_the_vocabulary_needs_a_mask_token_and_says_so(tiny_policy_dir, tmp_path):
