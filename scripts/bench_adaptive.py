@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,12 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_assets import ensure_bench_assets  # noqa: E402
 from bench_speculative import (  # noqa: E402
     DTYPES,
-    RunOutput,
+    fill,
+    hf_auto_run,
     hf_baseline_run,
     hf_speculative_run,
     load_models,
     load_prompts,
     machine_load,
+    mean_k,
     print_table,
     time_alternating,
 )
@@ -49,38 +50,19 @@ FIXED_KS = (1, 2, 3, 4, 5)
 
 def cell(target, draft, prompts, *, batch_size, max_new_tokens, temperature, repeats, max_k) -> dict:
     """Median tokens/s of plain decoding, each fixed K and auto on ``batch_size`` rows; auto's mean K."""
-    group = torch.tensor((prompts * (batch_size // len(prompts) + 1))[:batch_size])
-    auto = AdaptiveSpeculation(max_k)
+    group = torch.tensor(fill(prompts, batch_size))
+    auto = AdaptiveSpeculation(max_k, draft_forwards=draft.draft_forwards)
     runs = {"K=0": hf_baseline_run(target, [group], max_new_tokens=max_new_tokens, temperature=temperature, seed=0)}
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, draft_sampling="probabilistic", seed=0)
     for k in FIXED_KS:
         runs[f"K={k}"] = hf_speculative_run(target, draft, [group], k=k, **sampling)
     rounds: list[tuple[int, int]] = []
     speculate = hf_speculative_run(target, draft, [group], k=auto, rounds=rounds, **sampling)
-
-    def auto_run(repeat: int) -> RunOutput:
-        """What the trainer does: a whole call decoded plainly or speculatively as `prefers_plain` says, its
-        tokens per second fed back. The warm-up makes two calls, a speculative one and a plain one, so that the
-        timed calls start from both routes measured, as a trainer's have from its second step on."""
-        if repeat == 0:
-            auto_call(repeat)
-        return auto_call(repeat)
-
-    def auto_call(repeat: int) -> RunOutput:
-        plain = auto.prefers_plain(batch_size)
-        started = time.perf_counter()
-        out = runs["K=0"](repeat) if plain else speculate(repeat)
-        num_tokens = sum(map(len, out.completions))
-        auto.observe_call(batch_size, plain=plain, seconds=time.perf_counter() - started, num_tokens=num_tokens)
-        if plain:
-            rounds.append((batch_size, 0))
-        return out
-
-    runs["auto"] = auto_run
+    runs["auto"] = hf_auto_run(auto, batch_size, runs["K=0"], speculate, rounds)
     timings = time_alternating(runs, repeats=repeats)
     result = {name: timing.tokens_per_second for name, timing in timings.items()}
     result["spread"] = statistics.median(timing.spread for timing in timings.values())
-    result["auto_mean_k"] = sum(live * k for live, k in rounds) / max(sum(live for live, _ in rounds), 1)
+    result["auto_mean_k"] = mean_k(rounds)
     result["auto_predicted_speedup"] = auto.predicted_speedup(batch_size)
     return result
 
@@ -112,13 +94,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     assets = ensure_bench_assets(args.cache_dir, **budgets)
     prompts = load_prompts(assets, 16)
     print(
-        f"\ntarget {assets.target_dir}, draft {assets.draft_dir}; {max_new_tokens} new tokens at temperature "
+        f"\ntarget {assets.target_dir}, draft {assets.draft_dirs['eagle3']}; {max_new_tokens} new tokens at temperature "
         f"{args.temperature}, median of {repeats} after a warm-up; {machine_load()}\n",
         flush=True,
     )
     results = []
     for dtype in args.dtypes:
-        target, draft = load_models(assets, DTYPES[dtype])
+        target, drafts = load_models(assets, DTYPES[dtype])
+        draft = drafts["eagle3"]
         for batch_size in batch_sizes:
             result = cell(
                 target,
@@ -132,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
             results.append({"dtype": dtype, "batch_size": batch_size, **result})
             print(f"{dtype} batch {batch_size} done ({machine_load()})", flush=True)
-        del target, draft
+        del target, drafts, draft
     rows = []
     for result in results:
         plain = result["K=0"]

@@ -10,6 +10,8 @@ Nothing can be downloaded here, so the benchmark models are trained locally on P
 3. ``generated``: the target's greedy continuations of real-text prefixes (generated once).
 4. ``draft``: a 1-layer EAGLE-3 draft warm-started by `hf_spec_cotrain.warmstart.train_draft` on half real text,
    half those continuations, for as many steps as its compute budget buys (measured on a few calibration steps).
+5. ``draft-dflash``: a 2-layer DFlash draft (blocks of 8, the pad token filling them) warm-started the same way, on
+   the same data and compute budget.
 
 Each stage writes a ``bench_manifest.json`` (its config, results and seconds) last; a stage is skipped when its
 manifest exists and its config, which includes the configs of the stages it depends on, matches. A file lock
@@ -114,6 +116,64 @@ class DraftConfig:
     minutes: float = 40.0
     seed: int = 0
 
+    def training_config(self, folder: Path, max_steps: int, tokenizer) -> dict:
+        """`DraftTrainingConfig` fields of a warm start of ``max_steps`` into ``folder`` (an EAGLE-3 draft needs no
+        token of the ``tokenizer``)."""
+        return dict(
+            output_dir=str(folder),
+            num_layers=self.num_layers,
+            aux_layer_ids=list(self.aux_layer_ids),
+            draft_vocab_size=self.draft_vocab_size,
+            ttt_steps=self.ttt_steps,
+            max_length=self.max_length,
+            learning_rate=self.learning_rate,
+            warmup_steps=min(self.warmup_steps, max_steps // 4),
+            lr_scheduler_type="cosine",
+            batch_size=self.batch_size,
+            max_steps=max_steps,
+            bf16=self.bf16,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class DFlashDraftConfig:
+    """Two layers, as the main job's DFlash warm start (one block forward reads the context once, where EAGLE-3's
+    chain runs its layer K times), and more anchors per sequence than the trainer's default (blocks are few)."""
+
+    num_layers: int = 2
+    block_size: int = 8
+    anchors_per_row: int = 16
+    target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target's depth
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    batch_size: int = 8
+    max_length: int = 512
+    bf16: bool | None = None
+    minutes: float = 40.0
+    seed: int = 0
+    mask_token: str = PAD  # fills the blocks: no training window holds it, and the vocabulary has no spare row
+
+    def training_config(self, folder: Path, max_steps: int, tokenizer) -> dict:
+        """`DraftTrainingConfig` fields of a warm start of ``max_steps`` into ``folder``."""
+        return dict(
+            output_dir=str(folder),
+            drafter="dflash",
+            num_layers=self.num_layers,
+            dflash_block_size=self.block_size,
+            dflash_anchors_per_row=self.anchors_per_row,
+            dflash_target_layer_ids=None if self.target_layer_ids is None else list(self.target_layer_ids),
+            dflash_mask_token_id=tokenizer.convert_tokens_to_ids(self.mask_token),
+            max_length=self.max_length,
+            learning_rate=self.learning_rate,
+            warmup_steps=min(self.warmup_steps, max_steps // 4),
+            lr_scheduler_type="cosine",
+            batch_size=self.batch_size,
+            max_steps=max_steps,
+            bf16=self.bf16,
+            seed=self.seed,
+        )
+
 
 @dataclass
 class BenchAssets:
@@ -121,9 +181,10 @@ class BenchAssets:
 
     cache_dir: Path
     target_dir: Path  # model + tokenizer + generation config: `from_pretrained` and `vllm.LLM(model=...)`
-    draft_dir: Path  # an EAGLE-3 checkpoint: `Eagle3DraftModel.from_pretrained` and vLLM's "eagle3" method
+    # drafter family -> its checkpoint (`load_draft`, and vLLM's "eagle3" / "dflash" method)
+    draft_dirs: dict[str, Path]
     target_metrics: dict = field(default_factory=dict)
-    draft_metrics: dict = field(default_factory=dict)
+    draft_metrics: dict[str, dict] = field(default_factory=dict)
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -387,22 +448,20 @@ def _as_texts(tokenizer, sequences: list[list[int]]) -> list[str]:
     return tokenizer.batch_decode(sequences, skip_special_tokens=True)
 
 
-def draft_step_seconds(
-    target, tokenizer, sequences: list[list[int]], config: DraftConfig, *, num_steps: int = 2
-) -> float:
-    """Compute-clock seconds of one draft training step (target forward, TTT forward and backward), measured on a
-    throwaway draft after one warm-up step."""
-    from hf_spec_cotrain.draft import Eagle3DraftModel, Eagle3TrainingOptions, count_tokens
+def draft_step_seconds(target, tokenizer, sequences: list[list[int]], training, *, num_steps: int = 2) -> float:
+    """Compute-clock seconds of one draft training step (target forward, the family's objective forward and
+    backward) under the `DraftTrainingConfig` ``training``, measured on a throwaway draft after one warm-up step."""
+    from hf_spec_cotrain.draft import count_tokens, drafter_family
     from hf_spec_cotrain.warmstart import draft_loss_on_batch, draft_tap_recorder, pad_rows
 
-    draft = Eagle3DraftModel.from_target(
+    family = drafter_family(training.drafter)
+    draft = family.from_target(
         target,
-        num_layers=config.num_layers,
-        aux_layer_ids=config.aux_layer_ids,
-        draft_vocab_size=config.draft_vocab_size,
+        **family.from_target_options(training, tokenizer),
+        draft_vocab_size=training.draft_vocab_size,
         token_counts=count_tokens(sequences, target.config.vocab_size),
     )
-    input_ids, attention_mask = pad_rows(sequences[: config.batch_size], tokenizer.pad_token_id)
+    input_ids, attention_mask = pad_rows(sequences[: training.batch_size], tokenizer.pad_token_id)
     seconds = []
     with draft_tap_recorder(target, draft) as recorder:
         for _ in range(num_steps + 1):
@@ -413,8 +472,8 @@ def draft_step_seconds(
                 recorder,
                 input_ids,
                 attention_mask,
-                options=Eagle3TrainingOptions(ttt_steps=config.ttt_steps, step_weight_decay=0.8),
-                bf16=config.bf16,
+                options=draft.training_options(training),
+                bf16=training.bf16,
             )
             out.loss.backward()
             seconds.append(compute_clock() - started)
@@ -422,7 +481,13 @@ def draft_step_seconds(
 
 
 def build_draft(
-    target, tokenizer, corpus: Corpus, generated: dict, gen_config: GenerationConfig, config: DraftConfig, folder: Path
+    target,
+    tokenizer,
+    corpus: Corpus,
+    generated: dict,
+    gen_config: GenerationConfig,
+    config: "DraftConfig | DFlashDraftConfig",
+    folder: Path,
 ) -> dict:
     """Warm-start the draft on half real text, half the target's own continuations; evaluate on held-out files.
 
@@ -441,28 +506,17 @@ def build_draft(
     train_texts = _as_texts(tokenizer, real["train"]) + _as_texts(tokenizer, generated["train"])
     dataset = Dataset.from_dict({"text": train_texts})
     step_seconds = draft_step_seconds(
-        target, tokenizer, tokenize_for_draft(dataset, tokenizer, max_length=config.max_length), config
+        target,
+        tokenizer,
+        tokenize_for_draft(dataset, tokenizer, max_length=config.max_length),
+        DraftTrainingConfig(**config.training_config(folder, 1, tokenizer)),
     )
     max_steps = max(1, round(config.minutes * 60 / step_seconds))
-    training = DraftTrainingConfig(
-        output_dir=str(folder),
-        num_layers=config.num_layers,
-        aux_layer_ids=list(config.aux_layer_ids),
-        draft_vocab_size=config.draft_vocab_size,
-        ttt_steps=config.ttt_steps,
-        max_length=config.max_length,
-        learning_rate=config.learning_rate,
-        warmup_steps=min(config.warmup_steps, max_steps // 4),
-        lr_scheduler_type="cosine",
-        batch_size=config.batch_size,
-        max_steps=max_steps,
-        bf16=config.bf16,
-        eval_fraction=0.0,  # evaluated below on held-out files instead
-        seed=config.seed,
-    )
+    # evaluated below on held-out files instead
+    training = DraftTrainingConfig(**config.training_config(folder, max_steps, tokenizer), eval_fraction=0.0)
     _log(
-        f"draft: {len(train_texts)} training sequences, {config.minutes:g} compute min = {max_steps} steps of "
-        f"{step_seconds:.1f} s"
+        f"{training.drafter} draft: {len(train_texts)} training sequences, {config.minutes:g} compute min = "
+        f"{max_steps} steps of {step_seconds:.1f} s"
     )
     result = train_draft(target, tokenizer, dataset, training, progress=False)
     results = {"steps": result.steps, "train_wall_seconds": round(result.train_seconds, 1)}
@@ -523,7 +577,7 @@ def ensure_bench_assets(
     target_minutes: float = TargetConfig.minutes,
     draft_minutes: float = DraftConfig.minutes,
 ) -> BenchAssets:
-    """Build (or reuse) the tokenizer, target, continuations and draft under ``cache_dir``; return their folders.
+    """Build (or reuse) the tokenizer, target, continuations and drafts under ``cache_dir``; return their folders.
 
     Each pair of budgets has its own sub-folder, so asking for other budgets builds beside the cached assets and
     never deletes them (rebuilding one takes up to an hour of CPU)."""
@@ -538,7 +592,8 @@ def ensure_bench_assets(
     corpus_config, tokenizer_config = CorpusConfig(), TokenizerConfig()
     bf16 = bf16_matmul_pays()
     target_config = TargetConfig(minutes=target_minutes, autocast_bf16=bf16)
-    gen_config, draft_config = GenerationConfig(), DraftConfig(minutes=draft_minutes, bf16=bf16)
+    gen_config = GenerationConfig()
+    draft_folders = {"eagle3": cache_dir / "draft", "dflash": cache_dir / "draft-dflash"}
     with _locked(cache_dir):
         corpus = stdlib_corpus(corpus_config)
         _log(f"corpus: {len(corpus.train_texts)} train / {len(corpus.eval_texts)} held-out stdlib files")
@@ -547,7 +602,9 @@ def ensure_bench_assets(
         upstream["tokenizer"] = asdict(tokenizer_config)
         upstream["target"] = asdict(target_config)
         target_stage = Stage(
-            cache_dir / "target", dict(upstream), downstream=(cache_dir / "generated", cache_dir / "draft")
+            cache_dir / "target",
+            dict(upstream),
+            downstream=(cache_dir / "generated", *draft_folders.values()),
         )
         target_manifest = target_stage.manifest
         if target_manifest is None:
@@ -561,11 +618,21 @@ def ensure_bench_assets(
             _report("target", target_manifest, cached=True)
 
         upstream["generation"] = asdict(gen_config)
-        generated_stage = Stage(cache_dir / "generated", dict(upstream), downstream=(cache_dir / "draft",))
-        upstream["draft"] = asdict(draft_config)
-        draft_stage = Stage(cache_dir / "draft", dict(upstream))
-        generated_manifest, draft_manifest = generated_stage.manifest, draft_stage.manifest
-        if generated_manifest is None or draft_manifest is None:
+        generated_stage = Stage(cache_dir / "generated", dict(upstream), downstream=tuple(draft_folders.values()))
+        # Each draft's stage config is the upstream one plus its own, under the key its stage had from the start.
+        draft_stages = {
+            drafter: (
+                Stage(draft_folders[drafter], {**upstream, key: asdict(config)}),
+                config,
+            )
+            for drafter, key, config in (
+                ("eagle3", "draft", DraftConfig(minutes=draft_minutes, bf16=bf16)),
+                ("dflash", "dflash_draft", DFlashDraftConfig(minutes=draft_minutes, bf16=bf16)),
+            )
+        }
+        generated_manifest = generated_stage.manifest
+        draft_manifests = {drafter: stage.manifest for drafter, (stage, _) in draft_stages.items()}
+        if generated_manifest is None or None in draft_manifests.values():
             tokenizer = AutoTokenizer.from_pretrained(target_stage.folder)
             target = AutoModelForCausalLM.from_pretrained(target_stage.folder, dtype=torch.float32).eval()
         if generated_manifest is None:
@@ -579,20 +646,22 @@ def ensure_bench_assets(
             _report("generated", generated_manifest, cached=False)
         else:
             _report("generated", generated_manifest, cached=True)
-        if draft_manifest is None:
-            generated = json.loads((generated_stage.folder / "sequences.json").read_text())
-            started = draft_stage.start()
-            results = build_draft(target, tokenizer, corpus, generated, gen_config, draft_config, draft_stage.folder)
-            draft_manifest = draft_stage.finish(started, results)
-            _report("draft", draft_manifest, cached=False)
-        else:
-            _report("draft", draft_manifest, cached=True)
+        for drafter, (stage, config) in draft_stages.items():
+            name = f"{drafter} draft"
+            if draft_manifests[drafter] is None:
+                generated = json.loads((generated_stage.folder / "sequences.json").read_text())
+                started = stage.start()
+                results = build_draft(target, tokenizer, corpus, generated, gen_config, config, stage.folder)
+                draft_manifests[drafter] = stage.finish(started, results)
+                _report(name, draft_manifests[drafter], cached=False)
+            else:
+                _report(name, draft_manifests[drafter], cached=True)
     return BenchAssets(
         cache_dir=cache_dir,
         target_dir=target_stage.folder,
-        draft_dir=draft_stage.folder,
+        draft_dirs={drafter: stage.folder for drafter, (stage, _) in draft_stages.items()},
         target_metrics=target_manifest["results"],
-        draft_metrics=draft_manifest["results"],
+        draft_metrics={drafter: manifest["results"] for drafter, manifest in draft_manifests.items()},
     )
 
 
@@ -603,7 +672,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--target_minutes", type=float, default=TargetConfig.minutes, help="compute budget of the target (CPU min)"
     )
     parser.add_argument(
-        "--draft_minutes", type=float, default=DraftConfig.minutes, help="compute budget of the draft (CPU min)"
+        "--draft_minutes", type=float, default=DraftConfig.minutes, help="compute budget of each draft (CPU min)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS)")
     return parser
@@ -614,7 +683,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     assets = ensure_bench_assets(args.cache_dir, target_minutes=args.target_minutes, draft_minutes=args.draft_minutes)
-    print(f"target: {assets.target_dir}\ndraft:  {assets.draft_dir}")
+    print(f"target: {assets.target_dir}")
+    for drafter, folder in assets.draft_dirs.items():
+        print(f"{drafter} draft: {folder}")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def bench_vllm(assets, prompts, *, batch_size, temperatures, max_new_tokens, k, 
     for drafting in (None, *DRAFTING):
         job = VLLMJob(
             target_dir=str(assets.target_dir),
-            draft_dir=None if drafting is None else str(assets.draft_dir),
+            draft_dir=None if drafting is None else str(assets.draft_dirs["eagle3"]),
             prompts=prompts,
             max_new_tokens=max_new_tokens,
             repeats=repeats,
@@ -121,10 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     k = args.num_speculative_tokens
 
     assets = ensure_bench_assets()
-    target, draft = load_models(assets)
+    target, drafts = load_models(assets)
+    draft = drafts["eagle3"]
     prompts = load_prompts(assets, args.num_prompts)
     print(
-        f"\ntarget {assets.target_dir}, draft {assets.draft_dir}\nK={k}, {len(prompts)} prompts of {len(prompts[0])} "
+        f"\ntarget {assets.target_dir}, draft {assets.draft_dirs['eagle3']}\nK={k}, {len(prompts)} prompts of {len(prompts[0])} "
         f"tokens at batch {args.batch_size}, {max_new_tokens} new tokens, {threads} torch thread(s), median of "
         f"{repeats} after a warm-up; {machine_load()}\n",
         flush=True,

@@ -85,7 +85,7 @@ def main() -> None:
     prompts = load_prompts(assets, args.batch)
     engine = VLLMRolloutEngine(
         assets.target_dir,
-        draft_model=assets.draft_dir,
+        draft_model=assets.draft_dirs["eagle3"],
         draft_sample_method="probabilistic",
         rejection_sample_method="standard",
         max_model_len=256,
