@@ -102,11 +102,9 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
-class DraftConfig:
-    num_layers: int = 1
-    aux_layer_ids: tuple[int, ...] = (2, 4, 5)
-    draft_vocab_size: int | None = None  # None: the full vocabulary
-    ttt_steps: int = 3
+class WarmStartConfig:
+    """What both drafts' warm starts share: the optimiser, the data's shape and the compute budget."""
+
     learning_rate: float = 1e-3
     warmup_steps: int = 20
     batch_size: int = 8
@@ -116,15 +114,10 @@ class DraftConfig:
     minutes: float = 40.0
     seed: int = 0
 
-    def training_config(self, folder: Path, max_steps: int, tokenizer) -> dict:
-        """`DraftTrainingConfig` fields of a warm start of ``max_steps`` into ``folder`` (an EAGLE-3 draft needs no
-        token of the ``tokenizer``)."""
+    def optimisation_fields(self, folder: Path, max_steps: int) -> dict:
+        """`DraftTrainingConfig` fields of a warm start of ``max_steps`` into ``folder``: a cosine schedule."""
         return dict(
             output_dir=str(folder),
-            num_layers=self.num_layers,
-            aux_layer_ids=list(self.aux_layer_ids),
-            draft_vocab_size=self.draft_vocab_size,
-            ttt_steps=self.ttt_steps,
             max_length=self.max_length,
             learning_rate=self.learning_rate,
             warmup_steps=min(self.warmup_steps, max_steps // 4),
@@ -137,7 +130,25 @@ class DraftConfig:
 
 
 @dataclass(frozen=True)
-class DFlashDraftConfig:
+class DraftConfig(WarmStartConfig):
+    num_layers: int = 1
+    aux_layer_ids: tuple[int, ...] = (2, 4, 5)
+    draft_vocab_size: int | None = None  # None: the full vocabulary
+    ttt_steps: int = 3
+
+    def training_config(self, folder: Path, max_steps: int, tokenizer) -> dict:
+        """`DraftTrainingConfig` fields of the EAGLE-3 warm start (which needs no token of the ``tokenizer``)."""
+        return dict(
+            **self.optimisation_fields(folder, max_steps),
+            num_layers=self.num_layers,
+            aux_layer_ids=list(self.aux_layer_ids),
+            draft_vocab_size=self.draft_vocab_size,
+            ttt_steps=self.ttt_steps,
+        )
+
+
+@dataclass(frozen=True)
+class DFlashDraftConfig(WarmStartConfig):
     """Two layers, as the main job's DFlash warm start (one block forward reads the context once, where EAGLE-3's
     chain runs its layer K times), and more anchors per sequence than the trainer's default (blocks are few)."""
 
@@ -145,33 +156,18 @@ class DFlashDraftConfig:
     block_size: int = 8
     anchors_per_row: int = 16
     target_layer_ids: tuple[int, ...] | None = None  # None: spread over the target's depth
-    learning_rate: float = 1e-3
-    warmup_steps: int = 20
-    batch_size: int = 8
-    max_length: int = 512
-    bf16: bool | None = None
-    minutes: float = 40.0
-    seed: int = 0
     mask_token: str = PAD  # fills the blocks: no training window holds it, and the vocabulary has no spare row
 
     def training_config(self, folder: Path, max_steps: int, tokenizer) -> dict:
-        """`DraftTrainingConfig` fields of a warm start of ``max_steps`` into ``folder``."""
+        """`DraftTrainingConfig` fields of the DFlash warm start."""
         return dict(
-            output_dir=str(folder),
+            **self.optimisation_fields(folder, max_steps),
             drafter="dflash",
             num_layers=self.num_layers,
             dflash_block_size=self.block_size,
             dflash_anchors_per_row=self.anchors_per_row,
             dflash_target_layer_ids=None if self.target_layer_ids is None else list(self.target_layer_ids),
             dflash_mask_token_id=tokenizer.convert_tokens_to_ids(self.mask_token),
-            max_length=self.max_length,
-            learning_rate=self.learning_rate,
-            warmup_steps=min(self.warmup_steps, max_steps // 4),
-            lr_scheduler_type="cosine",
-            batch_size=self.batch_size,
-            max_steps=max_steps,
-            bf16=self.bf16,
-            seed=self.seed,
         )
 
 
