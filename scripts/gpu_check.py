@@ -502,8 +502,8 @@ def stage_cotrain_overhead(ctx: Context) -> dict:
         bf16=ctx.device.type == "cuda",
         use_cpu=ctx.device.type != "cuda",
     )
-    plain, _ = run(policy_folder(ctx), cotrain=False, fixed=False, **shapes)
-    cotrain, draft = run(policy_folder(ctx), cotrain=True, fixed=False, **shapes)
+    plain, _ = run(policy_folder(ctx), drafter=None, fixed=False, **shapes)
+    cotrain, draft = run(policy_folder(ctx), drafter="eagle3", fixed=False, **shapes)
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     ratio = median(cotrain) / median(plain)
     return {

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from torchrun_launch import run_torchrun
+from torchrun_launch import exit_without_teardown, run_torchrun
 from transformers import TrainerCallback
 
 from hf_spec_cotrain import SpecCoTrainConfig
@@ -198,9 +198,8 @@ def main(run: Callable[[str, str, str], dict]) -> None:
     torch.set_num_threads(1)
     record = run(*sys.argv[1:4])
     torch.save(record, Path(sys.argv[2], f"{sys.argv[3]}{record['rank']}.pt"))
-    # Gloo's worker threads still hold finished work at exit; torn down with the interpreter they sometimes abort
-    # the process (SIGABRT, "terminate called without an active exception") after a run that passed.
     dist.destroy_process_group()
+    exit_without_teardown()
 
 
 # --- The tests' side ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from cotrain_cases import ChecksumRecorder, record_local_draft_gradients
 from datasets import Dataset
+from torchrun_launch import exit_without_teardown
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.testing import build_char_tokenizer
@@ -87,7 +88,8 @@ def main(mode: str, policy_dir: str, out_dir: str) -> None:
             }
         )
     )
-    trainer.accelerator.end_training()  # gloo's threads left to the interpreter's teardown can abort the process
+    trainer.accelerator.end_training()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

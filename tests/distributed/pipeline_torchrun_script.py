@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from pipeline_cases import AUX_LAYER_IDS, TEMPERATURE, build_draft, build_policy, make_batch
 from safetensors.torch import save_file
+from torchrun_launch import exit_without_teardown
 
 from hf_spec_cotrain.parallel.pipeline import stream_pipeline_weights
 from hf_spec_cotrain.training.pipeline_step import PipelineCoTrainStep
@@ -49,6 +50,7 @@ def main(out_dir: Path) -> None:
     if draft is not None:
         (out_dir / "log.json").write_text(json.dumps({"world_size": world_size, "steps": log}))
     dist.destroy_process_group()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":
