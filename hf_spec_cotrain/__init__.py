@@ -20,6 +20,7 @@ __all__ = [
     "Eagle3DraftConfig",
     "Eagle3DraftModel",
     "PipelineCoTrainStep",
+    "PolicyHead",
     "SpecCoTrainConfig",
     "SpecCoTrainGRPOTrainer",
     "SpeculativeOutput",
@@ -45,6 +46,7 @@ _MODULE_OF = {
     "Eagle3DraftConfig": "draft",
     "Eagle3DraftModel": "draft",
     "PipelineCoTrainStep": "training.pipeline_step",
+    "PolicyHead": "policy_head",
     "SpecCoTrainConfig": "config",
     "SpecCoTrainGRPOTrainer": "trainer",
     "SpeculativeOutput": "generation.decoder",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from .generation.speculative import speculative_generate
     from .generation.vllm_engine import VLLMRolloutEngine
     from .parallel.tap_channel import TapChannel
+    from .policy_head import PolicyHead
     from .taps import TapRecorder, default_aux_layer_ids
     from .trainer import SpecCoTrainGRPOTrainer
     from .training.pipeline_step import PipelineCoTrainStep

@@ -13,6 +13,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from .policy_head import unwrapped_policy
+
 
 # Below 7 layers L // 2 and L - 3 coincide (or fall under 2).
 MIN_LAYERS_FOR_DEFAULT_TAPS = 7
@@ -53,8 +55,8 @@ class Taps:
     """What one target forward exposed to the draft.
 
     ``aux_hidden_states``: the tapped layer inputs concatenated, ``[B, L, n * hidden]``; ``embeddings``: the
-    input of layer 0 (the token embeddings), ``[B, L, hidden]``; ``final_hidden``: the output of the final norm
-    (what the lm_head reads), ``[B, L, hidden]``. Recorded tensors are detached.
+    input of layer 0 (the token embeddings), ``[B, L, hidden]``; ``final_hidden``: the decoder's output
+    (what the policy's head reads, `hf_spec_cotrain.policy_head.PolicyHead`), ``[B, L, hidden]``. Recorded tensors are detached.
     """
 
     aux_hidden_states: torch.Tensor
@@ -68,10 +70,7 @@ class Taps:
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The decoder stack (with ``.layers`` and ``.norm``) of a HF causal LM, through DDP/PEFT wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP and friends
-        model = model.module
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
+    model = unwrapped_policy(model)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if not hasattr(decoder, "layers"):
         raise ValueError(f"Cannot find the decoder layers of {type(model).__name__}: no `.get_decoder().layers`.")
@@ -113,7 +112,7 @@ class TapRecorder:
             hook = partial(self._record_layer_input, f"layer{layer_id}")
             self._handles.append(self.decoder.layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
         if self.record_final_hidden:
-            self._handles.append(self.decoder.norm.register_forward_hook(self._record_final_hidden))
+            self._handles.append(self.decoder.register_forward_hook(self._record_final_hidden))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -151,7 +150,7 @@ class TapRecorder:
 
     def _record_final_hidden(self, module, args, output):
         if self._capturing:
-            self._current["final"] = output.detach()
+            self._current["final"] = output[0].detach()  # the last hidden state
             self._finish()
 
     def _finish(self) -> None:

@@ -164,7 +164,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             self.draft,
             args,
             self.accelerator,
-            output_weight=lambda: self._policy().get_output_embeddings().weight,
+            policy=self._policy,
             metrics=self._metrics,
             owner_rank=self.accelerator.num_processes - 1 if self.parallel_dims.pp_enabled else None,
             step_times=self.step_times,

@@ -31,6 +31,7 @@ from .draft.card import WarmStartRecord, model_license, render_draft_card
 from .draft.dflash_configuration import DEFAULT_BLOCK_SIZE
 from .draft.dflash_objective import DEFAULT_ANCHORS_PER_ROW, DEFAULT_LOSS_DECAY_GAMMA
 from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
+from .policy_head import PolicyHead
 from .taps import TapRecorder
 from .training.draft_cotraining import (
     DraftCoTrainer,
@@ -242,8 +243,8 @@ def draft_inputs_of_batch(
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), torch.no_grad(), recorder.capture():
         recorder.decoder(input_ids=input_ids, attention_mask=attention_mask)  # no lm_head: the teacher needs Vd
     taps = recorder.pop()
-    teacher_logits = draft.teacher_logits(
-        taps.final_hidden, target.get_output_embeddings().weight, dtype=torch.float32
+    teacher_logits = PolicyHead(target).teacher_logits(
+        taps.final_hidden, draft.draft_to_target_ids, dtype=torch.float32
     )
     return RecordedTaps(taps, attention_mask, loss_mask=attention_mask), teacher_logits
 

@@ -325,6 +325,26 @@ def test_a_policy_the_hf_native_generator_cannot_verify_is_refused_at_start(tmp_
     _trainer(policy, _config(tmp_path, speculative_decoding=False))  # co-training alone still works
 
 
+def test_a_policy_the_hf_native_generator_fails_on_is_refused_at_build_not_at_every_step(tmp_path, monkeypatch):
+    """What the static check cannot see (an attention variant, a cache layout) shows in a trial generation at build."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("this attention has no decoding kernel")
+
+    monkeypatch.setattr("hf_spec_cotrain.training.rollout_backends.speculative_generate", broken)
+    policy = build_tiny_target("qwen3", num_layers=8)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot serve this qwen3 policy: a trial speculative generation failed \(RuntimeError: this attention "
+        r"has no decoding kernel\).*use_vllm=True.*speculative_decoding=False",
+    ):
+        _trainer(policy, _config(tmp_path, num_speculative_tokens=2))
+    assert calls[0]["num_speculative_tokens"] == 2 and calls[0]["max_new_tokens"] > 2  # rounds after the first
+    _trainer(policy, _config(tmp_path, speculative_decoding=False))  # co-training alone still works
+
+
 @pytest.mark.parametrize("sizes", [{"context_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 def test_a_policy_the_parallel_step_cannot_compute_is_refused_at_start(sizes, tmp_path, monkeypatch):
     # The run's dims as on 2 processes (the refusal comes before any process group is needed).

@@ -404,24 +404,6 @@ class DraftModel(PreTrainedModel):
         weight = self.target_embedding.weight.detach()
         return F.embedding(input_ids.to(weight.device), weight).to(self.dtype)
 
-    @torch.no_grad()
-    def teacher_logits(
-        self, final_hidden: torch.Tensor, output_weight: torch.Tensor, *, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """The target's logits over this draft's vocabulary, the training objective's teacher (docs/design.md
-        section 2).
-
-        ``final_hidden`` is the target's final-norm output, ``output_weight`` its lm_head weight (gathered first when
-        FSDP2 shards it); the product is computed in ``dtype`` (default: the weight's), outside any autocast.
-        Unscaled: rollouts apply the temperature to the draft and the target alike.
-        """
-        if hasattr(output_weight, "full_tensor"):
-            output_weight = output_weight.full_tensor()
-        rows = output_weight.detach()[self.draft_to_target_ids.to(output_weight.device)]
-        dtype = rows.dtype if dtype is None else dtype
-        with torch.autocast(final_hidden.device.type, enabled=False):
-            return final_hidden.to(dtype) @ rows.to(dtype).T
-
     # ------------------------------------------------------------------ training
 
     @classmethod

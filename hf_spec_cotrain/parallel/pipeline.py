@@ -19,6 +19,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
+from ..policy_head import PolicyHead
 from ..taps import decoder_of
 from ..validation import check_int
 
@@ -137,6 +138,7 @@ class StageModule(nn.Module):
         self.final_hidden: dict[int, torch.Tensor] = {}
         self.relayed_taps: dict[int, tuple[torch.Tensor, ...]] = {}
         self._capturing: tuple[int, list[torch.Tensor]] | None = None
+        self._policy_head: PolicyHead | None = None
         decoder = decoder_of(model)
         for layer_id in tap_layers:
             decoder.layers[layer_id].register_forward_pre_hook(self._tap_hook(layer_id), with_kwargs=True)
@@ -173,7 +175,15 @@ class StageModule(nn.Module):
             if self.relay:
                 self.relayed_taps[index] = (*(t.detach() for t in relayed), *own)
         # TRL scores position p's prediction of token p + 1: the completion tokens are predicted by [-C-1, -1).
-        return self.model.lm_head(hidden[:, -self.logits_to_keep - 1 : -1])
+        return self.policy_head.logits(hidden[:, -self.logits_to_keep - 1 : -1])
+
+    @property
+    def policy_head(self) -> PolicyHead:
+        """The last stage's output head, the policy's own (logit scaling and soft-caps included), read once the
+        stage holds its weights."""
+        if self._policy_head is None:
+            self._policy_head = PolicyHead(self.model)
+        return self._policy_head
 
 
 def stream_pipeline_weights(

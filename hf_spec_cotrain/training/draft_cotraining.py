@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from ..draft import DraftLossOutput, DraftModel, DraftTrainingBatch
 from ..parallel.comm import all_reduce_gradients
+from ..policy_head import PolicyHead
 from ..taps import Taps
 from .timing import StepTimes
 
@@ -93,19 +94,19 @@ class DraftCoTrainer:
         draft: the draft, on the training device in float32 (master weights of a small head).
         args: the trainer's `SpecCoTrainConfig`.
         accelerator: the trainer's accelerator (device, mixed precision, gathering of metrics).
-        output_weight: returns the policy's lm_head weight, whose draft-vocabulary rows give the teacher.
+        policy: returns the policy (unwrapped by the accelerator), whose own head on its decoder's output gives the
+            teacher (`PolicyHead`).
         metrics: the trainer's ``_metrics`` (mode -> name -> list of values), where ``draft/*`` values go.
         owner_rank: None when every rank holds a replica of the draft (data and context parallelism: gradients are
             averaged over the world); the rank that alone trains it under pipeline parallelism (its decision and
             metrics are broadcast to the others).
     """
 
-    def __init__(
-        self, draft: DraftModel, args, accelerator, *, output_weight, metrics, owner_rank=None, step_times=None
-    ):
+    def __init__(self, draft: DraftModel, args, accelerator, *, policy, metrics, owner_rank=None, step_times=None):
         self.draft, self.args, self.accelerator = draft, args, accelerator
         self.step_times = step_times or StepTimes(metrics)
-        self.output_weight, self.metrics, self.owner_rank = output_weight, metrics, owner_rank
+        self.policy, self.metrics, self.owner_rank = policy, metrics, owner_rank
+        self._policy_head: PolicyHead | None = None
         self.optimizer, self.scheduler = build_draft_optimizer(
             draft,
             learning_rate=args.draft_learning_rate,
@@ -160,8 +161,12 @@ class DraftCoTrainer:
                 self.micro_step(self._recorded.pop(0), loss_divisor=loss_divisor, cp_group=cp_group)
 
     def teacher_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """The policy's logits over the draft vocabulary (unscaled: rollouts apply the temperature to both)."""
-        return self.draft.teacher_logits(final_hidden, self.output_weight())
+        """The policy's logits over the draft vocabulary, through its own head (unscaled by the temperature: rollouts
+        apply it to both). The head is read once the policy is prepared (FSDP may wrap it after this is built)."""
+        policy = self.policy()
+        if self._policy_head is None or self._policy_head.policy is not policy:
+            self._policy_head = PolicyHead(policy)
+        return self._policy_head.teacher_logits(final_hidden, self.draft.draft_to_target_ids)
 
     def micro_step(
         self, recorded: RecordedTaps, *, loss_divisor: int, cp_group: dist.ProcessGroup | None = None

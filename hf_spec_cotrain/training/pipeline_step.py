@@ -476,8 +476,8 @@ class PipelineCoTrainStep:
         return {tap_id: torch.cat(tensors) for tap_id, tensors in per_tap.items()}
 
     def _draft_inputs(self, batch: GRPOBatch, attention_mask: torch.Tensor) -> tuple[RecordedTaps, torch.Tensor]:
-        """The step's taps, whole batch, and the teacher's logits over the draft vocabulary (from the final norm's
-        output and the lm_head)."""
+        """The step's taps, whole batch, and the teacher's logits over the draft vocabulary (the policy's own head on
+        the decoder's output)."""
         taps = self._gather_taps()
         final_hidden = torch.cat([self.module.final_hidden.pop(mb) for mb in range(self.num_microbatches)])
         recorded = RecordedTaps(
@@ -489,7 +489,7 @@ class PipelineCoTrainStep:
             attention_mask=attention_mask,
             loss_mask=draft_loss_mask(batch.prompt_mask, batch.completion_mask, batch.tool_mask),
         )
-        return recorded, self.draft.teacher_logits(final_hidden, self.model.lm_head.weight)
+        return recorded, self.module.policy_head.teacher_logits(final_hidden, self.draft.draft_to_target_ids)
 
     def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> DraftLossOutput:
         recorded, teacher = self._draft_inputs(batch, attention_mask)

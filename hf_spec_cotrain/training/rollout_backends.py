@@ -113,6 +113,30 @@ class HFNativeBackend:
     def prepare(self, step: int) -> None:
         """Nothing to sync: the generator runs on the trained weights themselves."""
 
+    def probe(self, num_speculative_tokens: int) -> None:
+        """Run a few greedy speculative rounds of ``num_speculative_tokens`` on two short prompts of different
+        lengths, raising what the generator raises: a policy whose layers the generator cannot run fails here, when
+        the trainer is built, rather than at every step's rollouts. No EOS ends it early."""
+        vocab_size = self.draft.config.vocab_size
+        prompts = [[token % vocab_size for token in range(5, 8)], [9 % vocab_size]]
+        padded_ids = pad(
+            [torch.tensor(ids) for ids in prompts], padding_value=self.sampling.pad_token_id, padding_side="left"
+        )
+        attention_mask = pad(
+            [torch.ones(len(ids), dtype=torch.long) for ids in prompts], padding_value=0, padding_side="left"
+        )
+        with self.policy() as model, torch.no_grad():
+            speculative_generate(
+                model,
+                self.draft,
+                padded_ids.to(self.device),
+                attention_mask.to(self.device),
+                max_new_tokens=2 * num_speculative_tokens + 2,
+                num_speculative_tokens=num_speculative_tokens,
+                eos_token_id=[],
+                pad_token_id=self.sampling.pad_token_id,
+            )
+
     def generate(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> BackendTurn:
         """The completions (up to and including the first EOS), the generator's output and the seconds it took."""
         sampling, device = self.sampling, self.device

@@ -94,7 +94,8 @@ class SpeculativeRollouts:
     def check_can_serve(self, policy: nn.Module) -> None:
         """Refuse at start a policy this rollout path cannot serve, rather than falling back at every step: the
         HF-native generator verifies full and sliding-window attention layers and the linear-attention layers of
-        Qwen3.5 and Qwen3-Next (`check_speculative_target`); the vLLM engine (colocated or a server) must hold a
+        Qwen3.5 and Qwen3-Next (`check_speculative_target`), and must run a trial generation on the policy
+        (`HFNativeBackend.probe`: what its attention or cache cannot do shows here); the vLLM engine (colocated or a server) must hold a
         parameter for every policy tensor, of the same shape."""
         family = policy.config.get_text_config().model_type
         hf_native_error = None
@@ -103,6 +104,11 @@ class SpeculativeRollouts:
         except ValueError as error:
             hf_native_error = error
         if self.engine is None:
+            if hf_native_error is None and not self.generates_for_all_ranks:
+                try:
+                    self.backend.probe(self.args.max_draft_tokens)
+                except Exception as error:  # whatever it is, it would happen at every step
+                    hf_native_error = f"a trial speculative generation failed ({type(error).__name__}: {error})."
             if hf_native_error is not None:
                 raise ValueError(
                     f"HF-native speculative rollouts cannot serve this {family} policy: {hf_native_error} Use "

@@ -16,6 +16,7 @@ from hf_spec_cotrain.draft.dflash_objective import (
     block_position_weights,
     sample_anchors,
 )
+from hf_spec_cotrain.policy_head import PolicyHead
 from hf_spec_cotrain.taps import TapRecorder
 from hf_spec_cotrain.testing import build_tiny_target
 
@@ -160,7 +161,7 @@ def target_batch(target, draft, input_ids, completion_start):
         with recorder.capture():
             target(input_ids)
         taps = recorder.pop()
-    teacher = draft.teacher_logits(taps.final_hidden, target.get_output_embeddings().weight)
+    teacher = PolicyHead(target).teacher_logits(taps.final_hidden, draft.draft_to_target_ids)
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     loss_mask[:, completion_start:] = True
     return DraftTrainingBatch(taps.aux_hidden_states, taps.embeddings, teacher, loss_mask)
