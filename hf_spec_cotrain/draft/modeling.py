@@ -176,7 +176,8 @@ class Eagle3DraftModel(DraftModel):
         draft_vocab_size: int | None = None,
         token_counts: torch.Tensor | None = None,
     ) -> "Eagle3DraftModel":
-        """A fresh draft sized for ``target`` (Llama, Qwen2, Qwen3 families), bound to its embedding.
+        """A fresh draft sized for ``target`` (its fields: `draft_layer_fields`), bound to its embedding; a ValueError
+        for a target whose heads do not divide its width, which a Llama config refuses.
 
         The draft vocabulary is the ``draft_vocab_size`` most frequent ids of ``token_counts`` (ties: lower id;
         every id when ``draft_vocab_size`` is None) and ``lm_head`` starts from the target's rows at those ids.
@@ -185,8 +186,18 @@ class Eagle3DraftModel(DraftModel):
         check_int(num_layers, "num_layers", hint=" (the draft's decoder layers)")
         aux_ids = validate_aux_layer_ids(aux_layer_ids, tcfg.num_hidden_layers)
         draft_ids = select_draft_vocab(tcfg.vocab_size, draft_vocab_size, token_counts)
+        fields = draft_layer_fields(tcfg)
+        if fields["hidden_size"] % fields["num_attention_heads"]:
+            raise ValueError(
+                f"An EAGLE-3 draft cannot copy this {tcfg.model_type!r} policy's num_attention_heads="
+                f"{fields['num_attention_heads']}: its config is a LlamaConfig, which transformers (and vLLM's loader "
+                f"through it) refuses unless hidden_size={fields['hidden_size']} is a multiple of the heads. Use the "
+                "DFlash drafter (`drafter='dflash'`), whose Qwen3 config takes them, or build the EAGLE-3 draft's "
+                "config by hand with heads that divide hidden_size and pass the draft as "
+                "`SpecCoTrainer(draft_model=...)`."
+            )
         config = Eagle3DraftConfig(
-            **draft_layer_fields(tcfg),
+            **fields,
             num_hidden_layers=num_layers,
             draft_vocab_size=draft_ids.numel(),
             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True},

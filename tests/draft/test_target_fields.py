@@ -11,6 +11,8 @@ from transformers import (
     Gemma4ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.models.auto import modeling_auto
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -82,7 +84,7 @@ def _norm_epsilons(text_config) -> set[float]:
 
 def _draft_configs(fields: dict) -> list:
     """The draft configs of both families from ``fields``; a Llama config (EAGLE-3's) only where the heads divide the
-    width, as transformers requires of it."""
+    width, as transformers requires of it (`Eagle3DraftModel.from_target` refuses the others)."""
     dflash = DFlashDraftConfig(
         **fields,
         num_hidden_layers=1,
@@ -253,6 +255,22 @@ def _tiny_gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=64, n_layer=4, n_head=2, n_positions=256))
 
 
+def _tiny_qwen3_with_wide_heads():
+    """Three heads of 32 on a width of 64: Qwen3 takes them, a Llama config does not."""
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=100,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=256,
+        )
+    )
+
+
 def _draft_of(drafter: str, policy):
     if drafter == "eagle3":
         return Eagle3DraftModel.from_target(policy, aux_layer_ids=(1, 2, 3))
@@ -260,12 +278,16 @@ def _draft_of(drafter: str, policy):
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
-@pytest.mark.parametrize("build_policy", [_tiny_gemma3, _tiny_gpt2])
+@pytest.mark.parametrize("build_policy", [_tiny_gemma3, _tiny_gpt2, _tiny_qwen3_with_wide_heads])
 def test_a_draft_of_the_policy_trains(drafter, build_policy):
     """`from_target` builds the draft, which runs its training loss on the policy's hidden states and gets a finite
     gradient in every weight."""
     torch.manual_seed(0)
     policy = build_policy().eval()
+    if drafter == "eagle3" and build_policy is _tiny_qwen3_with_wide_heads:
+        with pytest.raises(ValueError, match=r"num_attention_heads=3: its config is a LlamaConfig.*drafter='dflash'"):
+            _draft_of(drafter, policy)
+        return
     draft = _draft_of(drafter, policy)
     if build_policy is _tiny_gemma3:
         assert draft.config.rope_parameters["rope_theta"] == 123_456.0
