@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import MoeModelOutputWithPast
 
 
 __all__ = ["PolicyHead", "unwrapped_policy"]
@@ -30,6 +29,22 @@ def unwrapped_policy(model: nn.Module) -> PreTrainedModel:
     return model
 
 
+class _RecordedOutput:
+    """A decoder's output holding only its last hidden state: the heads read ``last_hidden_state`` or ``[0]``, and
+    whatever else a family's head asks for (caches, attentions, router logits) is None."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index):
+        return (self.last_hidden_state,)[index]
+
+    def __getattr__(self, name):  # only for names not set above
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _RecordedDecoder(nn.Module):
     """Stands in for the decoder: returns the recorded output whatever it is called with."""
 
@@ -37,8 +52,8 @@ class _RecordedDecoder(nn.Module):
         super().__init__()
         self.hidden = hidden
 
-    def forward(self, *args, **kwargs) -> MoeModelOutputWithPast:
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+    def forward(self, *args, **kwargs) -> _RecordedOutput:
+        return _RecordedOutput(self.hidden)
 
 
 class _HeadRows(nn.Module):

@@ -69,12 +69,31 @@ class Taps:
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder stack (with ``.layers`` and ``.norm``) of a HF causal LM, through DDP/PEFT wrappers."""
+    """The decoder stack of a HF causal LM (`get_decoder()`), through DDP/PEFT wrappers."""
     model = unwrapped_policy(model)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    if not hasattr(decoder, "layers"):
-        raise ValueError(f"Cannot find the decoder layers of {type(model).__name__}: no `.get_decoder().layers`.")
-    return decoder
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a HF causal LM, in order: the decoder's ``layers`` (most families), else its one list of
+    as many modules as the config has layers (GPT-2's and Bloom's ``h``). A ValueError naming the family where there
+    is no such list: the taps read the inputs of decoder layers."""
+    decoder = decoder_of(model)
+    if isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        return decoder.layers
+    config = unwrapped_policy(model).config.get_text_config()
+    candidates = [
+        child
+        for child in decoder.children()
+        if isinstance(child, nn.ModuleList) and len(child) == getattr(config, "num_hidden_layers", None)
+    ]
+    if len(candidates) != 1:
+        raise ValueError(
+            f"Cannot find the decoder layers of this {config.model_type} policy ({type(decoder).__name__} has no "
+            "`layers` and not exactly one list of `num_hidden_layers` modules), whose inputs the draft's taps read: "
+            "co-training needs a decoder of layers, as transformers' causal LMs have."
+        )
+    return candidates[0]
 
 
 class TapRecorder:
@@ -97,8 +116,8 @@ class TapRecorder:
         record_embeddings: bool = False,
         record_final_hidden: bool = False,
     ):
-        self.decoder = decoder_of(model)
-        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.decoder.layers))
+        self.decoder, self.layers = decoder_of(model), decoder_layers(model)
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self.layers))
         self.record_embeddings = record_embeddings
         self.record_final_hidden = record_final_hidden
         self._hooked_layers = sorted(set(self.aux_layer_ids) | ({0} if record_embeddings else set()))
@@ -110,7 +129,7 @@ class TapRecorder:
     def __enter__(self) -> "TapRecorder":
         for layer_id in self._hooked_layers:
             hook = partial(self._record_layer_input, f"layer{layer_id}")
-            self._handles.append(self.decoder.layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
+            self._handles.append(self.layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
         if self.record_final_hidden:
             self._handles.append(self.decoder.register_forward_hook(self._record_final_hidden))
         return self

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from ..taps import decoder_of
+from ..taps import decoder_layers
 from ..validation import layer_types
 
 
@@ -38,7 +38,7 @@ class LinearAttentionStates:
 
     def __init__(self, model: nn.Module):
         kinds = layer_types(model.config.get_text_config())
-        layers = decoder_of(model).layers
+        layers = decoder_layers(model)
         self.mixers = [layers[index].linear_attn for index, kind in enumerate(kinds) if kind == LINEAR_ATTENTION]
         self.snapshots: list[tuple[LinearAttentionCacheLayerMixin, torch.Tensor, torch.Tensor]] = []
         self._own_forwards: list[tuple[nn.Module, object]] = []

@@ -48,7 +48,7 @@ from ..parallel.pipeline import (
     stage_layer_ranges,
 )
 from ..parallel.tap_channel import TapChannel
-from ..taps import Taps, decoder_of, validate_aux_layer_ids
+from ..taps import Taps, decoder_layers, validate_aux_layer_ids
 from ..validation import check_int
 from .draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps
 
@@ -203,7 +203,7 @@ class PipelineCoTrainStep:
         self.hidden_size = text_config.hidden_size
         self.vocab_size = text_config.vocab_size
 
-        num_layers = len(decoder_of(model).layers)
+        num_layers = len(decoder_layers(model))
         self.layer_ranges = stage_layer_ranges(num_layers, self.num_stages, layers_per_stage)
         self.co_training = aux_layer_ids is not None
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, num_layers) if self.co_training else ()

@@ -1,0 +1,71 @@
+"""The family sweep (`scripts/family_sweep.py`) in CI: a fixed representative set of decoder families and a part of
+the others that rotates with the date, each in its own process. Every family must end as ``works`` or ``refused``
+(when the trainer is built, naming the family); never ``broken``. The whole sweep: `python scripts/family_sweep.py`
+(or `HF_SPEC_COTRAIN_SWEEP=all` here)."""
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import family_sweep  # noqa: E402
+
+
+# Dense, MoE, sliding windows with sinks, soft-caps, logit scaling, latent attention, non-Llama field names, and
+# families refused for their layers.
+REPRESENTATIVE = (
+    "llama",
+    "qwen3_moe",
+    "gpt_oss",
+    "gemma2",
+    "gemma3_text",
+    "granite",
+    "cohere2",
+    "deepseek_v3",
+    "olmo3",
+    "gpt2",
+    "mamba",
+    "lfm2",
+)
+ROTATING_PART = 6
+
+
+def families_of_this_run() -> list[str]:
+    every = family_sweep.decoder_only_families()
+    if os.environ.get("HF_SPEC_COTRAIN_SWEEP") == "all":
+        return every
+    others = [family for family in every if family not in REPRESENTATIVE]
+    start = datetime.date.today().toordinal() * ROTATING_PART % len(others)
+    rotating = (others + others)[start : start + ROTATING_PART]
+    return [family for family in REPRESENTATIVE if family in every] + rotating
+
+
+FAMILIES = families_of_this_run()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, family_sweep.FamilyOutcome]:
+    results = tmp_path_factory.mktemp("sweep") / "outcomes.json"
+    family_sweep.main(["--families", *FAMILIES, "--jobs", "2", "--json", str(results)])
+    return {outcome.model_type: outcome for outcome in family_sweep.read_outcomes(results)}
+
+
+def test_the_sweep_finds_the_families_by_introspection():
+    families = family_sweep.decoder_only_families()
+    assert {"llama", "qwen3", "gemma3_text", "deepseek_v3", "mamba"} <= set(families)
+    # encoders, encoder-decoders and multimodal models are not decoder-only language models
+    assert not {"bert", "bart", "t5", "gemma3", "qwen3_5"} & set(families)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_works_or_is_refused_when_the_trainer_is_built(family, outcomes):
+    outcome = outcomes[family]
+    assert outcome.outcome in ("works", "refused"), f"{family}: {outcome.outcome} at {outcome.stage}: {outcome.detail}"
+    if outcome.outcome == "refused":
+        assert outcome.stage.startswith("build") and family in outcome.detail
