@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from attention_variant_targets import ATTENTION_VARIANT_FAMILIES, build_attention_variant_target, build_eagle3_draft
 from statistics_utils import exact_distribution, g_test
 from transformers import DynamicCache
 
@@ -58,6 +59,11 @@ def _fit_draft(target, rows, *, steps, draft_vocab_size=None, aux_layer_ids=None
     draft = Eagle3DraftModel.from_target(
         target, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, token_counts=counts
     )
+    return _train_draft(draft, target, rows, steps=steps)
+
+
+def _train_draft(draft, target, rows, *, steps):
+    """``draft`` trained by TTT on ``rows`` of target text, the teacher being the target itself."""
     with torch.no_grad(), TapRecorder(target, draft.resolved_aux_layer_ids(target.config.num_hidden_layers)) as rec:
         with rec.capture():
             logits = target(rows).logits
@@ -98,7 +104,45 @@ def test_greedy_equals_generate(family, sliding_window, num_speculative_tokens):
     """Sliding windows included: rejected drafts stay in the cache as holes, which must not count towards them.
     Linear-attention layers must keep the states of each row's accepted tokens only (their states fold in every
     token they read, and the left-padded prompts' padding must leave them as `generate` does)."""
-    target, random_draft, trained, input_ids, attention_mask = _setup(family, sliding_window)
+    _check_greedy_equals_generate(*_setup(family, sliding_window), num_speculative_tokens)
+
+
+@functools.cache
+def _attention_variant_setup(family):
+    """`_setup` for the targets of tests/attention_variant_targets.py, two layers deep (so two taps), their drafts
+    built by hand."""
+    target = build_attention_variant_target(family)
+    input_ids, attention_mask = left_padded_prompts([6, 3, 5, 4, 6, 2, 5, 3], target.config.vocab_size, seed=1)
+    rows = _greedy_rows(target, input_ids, attention_mask)
+    taps = (0, 1)
+    trained = _train_draft(build_eagle3_draft(target, aux_layer_ids=taps, seed=1), target, rows, steps=60)
+    random_draft = build_eagle3_draft(target, aux_layer_ids=taps, seed=2)
+    return target, random_draft, trained, input_ids, attention_mask
+
+
+@pytest.mark.parametrize("family", ATTENTION_VARIANT_FAMILIES)
+@pytest.mark.parametrize("num_speculative_tokens", [1, 3, 5])
+def test_greedy_equals_generate_through_attention_variants(family, num_speculative_tokens):
+    """Gemma2's attention logit soft-cap (which changes these targets' greedy continuations), its final soft-cap and
+    alternating 8-token windows, and DeepSeek-V3's multi-head latent attention (values narrower than queries and
+    keys; its cache holds the compressed latents) verify as `generate` decodes."""
+    _check_greedy_equals_generate(*_attention_variant_setup(family), num_speculative_tokens)
+
+
+def test_the_gemma2_targets_soft_cap_changes_its_greedy_continuations():
+    """What makes the test above catch a kernel that ignores the soft-cap."""
+    target, _, _, input_ids, attention_mask = _attention_variant_setup("gemma2")
+    uncapped = copy.deepcopy(target)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    want, other = (
+        model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=29)
+        for model in (target, uncapped)
+    )
+    assert (want != other).any(1).sum() >= len(input_ids) // 2
+
+
+def _check_greedy_equals_generate(target, random_draft, trained, input_ids, attention_mask, num_speculative_tokens):
     max_new_tokens = 29  # not a multiple of K + 1 for K in {1, 3, 5}
     want = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens)
     for draft in (random_draft, trained):
