@@ -41,6 +41,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_pass_through_draft",
     "build_tiny_target",
+    "fill_seeded",
     "left_padded_prompts",
     "recorded_checkpoint_reads",
     "save_tiny_target",
@@ -251,7 +252,7 @@ def build_tiny_target(
         **options,
     )
     model = model_class(config)
-    _fill_seeded(model, seed=seed)
+    fill_seeded(model, seed=seed)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -261,7 +262,9 @@ def build_tiny_target(
 
 
 @torch.no_grad()
-def _fill_seeded(model: PreTrainedModel, *, seed: int) -> None:
+def fill_seeded(model: PreTrainedModel, *, seed: int) -> None:
+    """Fill `model`'s parameters as `build_tiny_target` does (seeded, logits of several units), for a model of a family
+    it does not build."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)

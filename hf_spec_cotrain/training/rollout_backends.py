@@ -327,8 +327,9 @@ def engine_row_steps(counters, k: int, num_tokens: int) -> int:
 
 
 def build_rollout_engine(draft: DraftModel, args, *, policy: nn.Module, tokenizer, max_num_seqs: int) -> RolloutEngine:
-    """The vLLM engine (policy + draft) of speculative vLLM rollouts: colocated in this process, or a client of an
-    ``hf-spec-cotrain vllm-serve`` server (``vllm_mode="server"``)."""
+    """The vLLM engine (policy + draft) of speculative vLLM rollouts: colocated in this process, once vLLM's registry
+    says it can serve them there (`check_colocated_vllm_can_serve`), or a client of an ``hf-spec-cotrain vllm-serve``
+    server (``vllm_mode="server"``), which checks its own at start."""
     if args.vllm_mode == "server":
         from ..generation.client import VLLMServerClient
 
@@ -347,7 +348,9 @@ def build_rollout_engine(draft: DraftModel, args, *, policy: nn.Module, tokenize
             )
         return client
     from ..generation.vllm_engine import VLLMRolloutEngine
+    from ..generation.vllm_support import check_colocated_vllm_can_serve
 
+    check_colocated_vllm_can_serve(policy, draft)  # before anything is written or started
     policy_folder = Path(policy.config._name_or_path or "")
     if not (policy_folder / "config.json").exists():  # a model built in memory: vLLM needs a folder
         policy_folder = Path(args.output_dir) / "rollout_policy_init"

@@ -22,6 +22,7 @@ import pytest
 import requests
 import torch
 from safetensors.torch import save as save_safetensors
+from tiny_policy import save_tiny_policy_of_type
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm_server_utils import (
     API_KEY,
@@ -37,6 +38,8 @@ from hf_spec_cotrain.cli import VLLMServeScriptArguments, main, vllm_serve_engin
 from hf_spec_cotrain.generation.client import VLLMServerClient, VLLMServerError, iter_chunks
 from hf_spec_cotrain.generation.engine import EngineUnavailableError, RolloutOutput
 from hf_spec_cotrain.generation.protocol import API_KEY_ENV, SHA256_HEADER
+from hf_spec_cotrain.generation.speculative import speculative_generate
+from hf_spec_cotrain.testing import build_pass_through_draft
 
 
 # The rollout every check compares: a short prompt and one longer than a KV block (a prefix-cache hit), kept light
@@ -664,6 +667,51 @@ def test_a_dflash_trainer_pushes_its_draft_through_the_server_every_step(vllm_en
         assert after.draft == before.draft + 2  # one push per step, each verified by the server at commit
         logs = [entry for entry in trainer.state.log_history if "spec/acceptance_length" in entry]
         assert len(logs) == 2 and not any("spec/fallback" in entry for entry in trainer.state.log_history)
+    finally:
+        process.stop()
+
+
+@pytest.mark.vllm
+def test_a_transformers_backend_policy_is_served_by_a_server_of_its_own(vllm_engine_pool, tmp_path):
+    """Olmo2, which vLLM runs through its Transformers backend (refused colocated: the backend rewrites the policy's
+    transformers classes in the engine's process), is served by a server, whose process holds no policy of the
+    trainer's: greedy rollouts are the policy's own and vLLM accepts what the HF-native generator accepts with the same
+    EAGLE-3 draft (its default taps), before and after a policy update."""
+    vllm_engine_pool.close()
+    policy_dir = save_tiny_policy_of_type(tmp_path / "olmo2", "olmo2")
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir)
+    draft = build_pass_through_draft(policy, seed=1, noise=0.05, num_layers=1)
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = tiny_prompts(policy_dir)
+    prompts = [prompts[0], prompts[-1]]
+    process = ServerProcess(policy_dir, tmp_path, draft_dir=tmp_path / "draft", api_key=API_KEY)
+
+    def assert_served_as_hf(client: VLLMServerClient) -> None:
+        served = client.generate(prompts, max_tokens=ROLLOUT_TOKENS, temperature=0.0, ignore_eos=True)
+        assert served.completion_ids == hf_greedy(policy, prompts, ROLLOUT_TOKENS)
+        drafts = accepted = 0
+        for ids in prompts:
+            out = speculative_generate(
+                policy,
+                draft,
+                torch.tensor([ids]),
+                max_new_tokens=ROLLOUT_TOKENS,
+                num_speculative_tokens=3,
+                eos_token_id=[],
+                pad_token_id=policy.config.pad_token_id,
+            )
+            drafts, accepted = drafts + out.num_drafts, accepted + out.num_accepted_tokens
+        assert (served.spec_decode.num_drafts, served.spec_decode.num_accepted_tokens) == (drafts, accepted)
+        assert accepted > 0
+
+    try:
+        process.start()
+        client = process.new_client()
+        assert_served_as_hf(client)
+        updated = _perturbed(policy.state_dict(), seed=5)
+        client.sync_weights("policy", updated.items())
+        policy.load_state_dict(updated)
+        assert_served_as_hf(client)
     finally:
         process.stop()
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 from datasets import Dataset
-from tiny_policy import tiny_grpo_kwargs
+from tiny_policy import save_tiny_policy_of_type, tiny_grpo_kwargs
 from vllm_test_utils import hf_greedy
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer, speculative_generate
-from hf_spec_cotrain.generation import vllm_layout
+from hf_spec_cotrain.generation import vllm_engine, vllm_layout
 from hf_spec_cotrain.testing import build_char_tokenizer, save_tiny_target
 
 
@@ -169,3 +169,42 @@ def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engi
         match=r"engine cannot take this gpt_oss policy's weights.*model\.embed_tokens\.weight.*use_vllm=False \(the HF-native generator\) serves it",
     ):
         _trainer(policy_dir, tmp_path)
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+@pytest.mark.parametrize(
+    "family, reason",
+    [
+        pytest.param(
+            "olmo2",
+            "in the trainer's process on vLLM .*: it would run it through vLLM's Transformers backend",
+            id="olmo2",
+        ),
+        pytest.param(
+            "granitemoe",
+            "with a {drafter} draft on vLLM .*: vLLM's GraniteMoeForCausalLM does not implement SupportsEagle3",
+            id="granitemoe",
+        ),
+    ],
+)
+def test_a_policy_vllm_cannot_serve_with_the_drafts_taps_is_refused_before_any_engine(
+    family, reason, drafter, tmp_path, monkeypatch
+):
+    """Olmo2 (vLLM's Transformers backend, which would break the trainer's own policy after the first rollouts) and
+    Granite-MoE (no hidden states for the draft: vLLM's raw RuntimeError at start) are refused when the trainer is
+    built, before an engine starts; the HF-native generator the refusal points to serves them."""
+
+    def engine_started(*args, **kwargs):
+        raise AssertionError("a vLLM engine was started for a policy that vLLM cannot serve")
+
+    monkeypatch.setattr(vllm_engine.VLLMRolloutEngine, "__init__", engine_started)
+    policy_dir = save_tiny_policy_of_type(tmp_path / family, family)
+    options = {"drafter": drafter}
+    if drafter == "dflash":
+        pad = build_char_tokenizer().pad_token_id  # the character tokenizer leaves no unused row for the mask
+        options.update(dflash_block_size=4, dflash_mask_token_id=pad, num_speculative_tokens=3)
+    instead = r"Instead, use_vllm=False \(the HF-native generator serves it\)"
+    message = f"vLLM cannot serve this {family} policy .*{reason.format(drafter=drafter)}.*{instead}"
+    with pytest.raises(ValueError, match=message):
+        _trainer(policy_dir, tmp_path, **options)
+    assert _trainer(policy_dir, tmp_path, use_vllm=False, **options).rollout_engine is None
