@@ -79,12 +79,16 @@ class PolicyHead:
 
     def __init__(self, policy: nn.Module):
         self.policy, self.model = policy, unwrapped_policy(policy)
-        self.decoder_name = self.model.base_model_prefix
-        if not isinstance(getattr(self.model, self.decoder_name, None), nn.Module):
+        # The module the forward calls for the decoder's output (`get_decoder()`: OPT's sits inside its base model).
+        decoder = self.model.get_decoder()
+        path = next((name for name, module in self.model.named_modules() if module is decoder and name), None)
+        if path is None:
             raise ValueError(
-                f"{type(self.model).__name__} has no decoder at its `base_model_prefix` "
-                f"({self.decoder_name!r}), so its output head cannot be run on recorded hidden states."
+                f"{type(self.model).__name__} has no decoder submodule (`get_decoder()`), so its output head cannot "
+                "be run on recorded hidden states."
             )
+        parent_path, _, self.decoder_name = path.rpartition(".")
+        self.decoder_parent = self.model.get_submodule(parent_path)
         head = self.model.get_output_embeddings()
         self.head_name = next((name for name, child in self.model.named_children() if child is head), None)
         if self.head_name is None:
@@ -123,12 +127,12 @@ class PolicyHead:
 
     @contextmanager
     def _decoder_replaced(self, hidden: torch.Tensor) -> Iterator[None]:
-        decoder = getattr(self.model, self.decoder_name)
-        setattr(self.model, self.decoder_name, _RecordedDecoder(hidden))
+        decoder = getattr(self.decoder_parent, self.decoder_name)
+        setattr(self.decoder_parent, self.decoder_name, _RecordedDecoder(hidden))
         try:
             yield
         finally:
-            setattr(self.model, self.decoder_name, decoder)
+            setattr(self.decoder_parent, self.decoder_name, decoder)
 
     @contextmanager
     def _head_replaced(self, weight: torch.Tensor, dtype: torch.dtype) -> Iterator[None]:

@@ -144,6 +144,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             tools=bool(self.tools),
         )
         self.parallel_dims.check_policy(self._policy(), aux_loss=self.aux_loss_enabled)
+        if args.gradient_checkpointing and not self._policy().supports_gradient_checkpointing:
+            # transformers would raise it at the first `train()`, after the engine and the draft are built
+            raise ValueError(
+                f"`gradient_checkpointing`=True (GRPOConfig's default) but this {self._policy().config.model_type} "
+                f"policy ({type(self._policy()).__name__}) does not support it. Set `gradient_checkpointing=False`."
+            )
         # Where accelerate dropped FSDP (on CPU), a context-parallel run shards the policy itself.
         shards_policy_itself = self.parallel_dims.cp_enabled and self.parallel_dims.fsdp and not self.is_fsdp_enabled
         if shards_policy_itself and args.save_strategy != "no":

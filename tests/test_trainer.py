@@ -10,13 +10,14 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_policy import tiny_grpo_kwargs
-from transformers import TrainerCallback
+from transformers import CodeGenConfig, CodeGenForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import Eagle3DraftModel, SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.draft import DRAFTER_FAMILIES
 from hf_spec_cotrain.parallel import ParallelDims
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
+from hf_spec_cotrain.training.rollout_backends import check_greedy_tokens
 
 
 PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
@@ -343,6 +344,50 @@ def test_a_policy_the_hf_native_generator_fails_on_is_refused_at_build_not_at_ev
         _trainer(policy, _config(tmp_path, num_speculative_tokens=2))
     assert calls[0]["num_speculative_tokens"] == 2 and calls[0]["max_new_tokens"] > 2  # rounds after the first
     _trainer(policy, _config(tmp_path, speculative_decoding=False))  # co-training alone still works
+
+
+def test_the_trial_generation_takes_the_policys_argmax_up_to_rounding():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 3.0, -1.0]])
+    check_greedy_tokens(torch.tensor([1, 1]), logits)  # a tie may break either way
+    check_greedy_tokens(torch.tensor([1, 0]), logits)
+    with pytest.raises(ValueError, match=r"greedy token 1 \(2\) is not the argmax .*short by 1 "):
+        check_greedy_tokens(torch.tensor([2, 0]), logits)
+    check_greedy_tokens(torch.tensor([1]), torch.tensor([[2.0, 1.999]], dtype=torch.bfloat16))  # bf16's rounding
+
+
+def test_a_policy_whose_attention_ignores_the_generators_masks_is_refused_at_build(tmp_path):
+    """CodeGen's attention does not go through transformers' attention interface: the generator's speculative tokens
+    run fine but are not the policy's own greedy ones, which the trial generation sees."""
+    tokenizer = build_char_tokenizer()
+    config = CodeGenConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        n_embd=64,
+        n_layer=8,
+        n_head=4,
+        rotary_dim=16,
+        n_positions=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    policy = CodeGenForCausalLM(config)
+    with torch.no_grad():  # peaked logits: greedy decoding far from ties
+        policy.lm_head.weight.normal_(0.0, 3.0 / 64**0.5)
+    with pytest.raises(ValueError, match=r"cannot serve this codegen policy: .*is not the argmax of the policy's own"):
+        _trainer(policy, _config(tmp_path, gradient_checkpointing=False))
+    _trainer(policy, _config(tmp_path, speculative_decoding=False, gradient_checkpointing=False))
+
+
+def test_gradient_checkpointing_on_a_policy_without_it_is_refused_at_build(tmp_path):
+    """transformers raises it only at `train()`, after the draft and the rollout engine are built (CTRL, XLNet)."""
+    policy = build_tiny_target("qwen3", num_layers=8)
+    policy.supports_gradient_checkpointing = False
+    with pytest.raises(
+        ValueError, match=r"`gradient_checkpointing`=True .* qwen3 policy .*gradient_checkpointing=False"
+    ):
+        _trainer(policy, _config(tmp_path, gradient_checkpointing=True))
+    _trainer(policy, _config(tmp_path, gradient_checkpointing=False))
 
 
 @pytest.mark.parametrize("sizes", [{"context_parallel_size": 2}, {"pipeline_parallel_size": 2}])

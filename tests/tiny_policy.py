@@ -58,13 +58,15 @@ def save_tiny_policy_of_type(folder: str | Path, model_type: str, **config_overr
     tokenizer = build_char_tokenizer()
     sizes = {key: value for key, value in TINY_POLICY_SPEC.items() if key not in ("family", "num_layers")}
     config = CONFIG_MAPPING[model_type](
-        **sizes,
-        num_hidden_layers=TINY_POLICY_SPEC["num_layers"],
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **config_overrides,
+        **{
+            **sizes,
+            "num_hidden_layers": TINY_POLICY_SPEC["num_layers"],
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **config_overrides,
+        }
     )
     model = AutoModelForCausalLM.from_config(config)
     fill_seeded(model, seed=0)

@@ -34,10 +34,13 @@ Other families' linear-attention layers are refused (`check_speculative_target`)
 """
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from ..attention.decoding import causal_slot_mask, compact_slots
@@ -49,7 +52,21 @@ from .linear_attention import LINEAR_ATTENTION, LinearAttentionStates, new_cache
 from .verification import greedy_verify, rejection_sample
 
 
-__all__ = ["SpeculativeDecoder", "SpeculativeOutput", "layer_windows", "target_attention_mask"]
+__all__ = ["SpeculativeDecoder", "SpeculativeOutput", "eval_mode", "layer_windows", "target_attention_mask"]
+
+
+@contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """``models`` in eval mode (no dropout: decoding is deterministic) and each module's own mode restored after, as
+    a trainer left it."""
+    modes = {module: module.training for model in models for module in model.modules()}
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch import nn
 from ..attention.decoding import compact_slots, decoding_attention
 from ..taps import TapRecorder, decoder_of
 from ..validation import layer_types
-from .decoder import SpeculativeDecoder, layer_windows, target_attention_mask
+from .decoder import SpeculativeDecoder, eval_mode, layer_windows, target_attention_mask
 from .linear_attention import LINEAR_ATTENTION, new_cache, select_rows
 
 
@@ -150,16 +150,12 @@ class PipelinedTarget:
         """Serve the driver's commands until it finishes the turn (every stage but the last calls it)."""
         if self.is_driver:
             raise RuntimeError("The last stage drives the generation; the other stages serve it.")
-        modes = {module: module.training for module in self.model.modules()}
-        self.model.eval()
         try:
-            with torch.no_grad(), decoding_attention(self.model):
+            with eval_mode(self.model), torch.no_grad(), decoding_attention(self.model):
                 while self._serve_one():
                     pass
         finally:
             self.cache = None
-            for module, training in modes.items():
-                module.training = training
 
     def _serve_one(self) -> bool:
         header = torch.empty(HEADER_LENGTH, dtype=torch.long, device=self.device)

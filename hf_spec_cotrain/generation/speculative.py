@@ -21,7 +21,7 @@ from ..draft import DraftModel
 from ..taps import TapRecorder
 from ..validation import ATTENTION_LAYER_TYPES, check_int, layer_types
 from .adaptive import FixedSpeculation, SpeculationPolicy
-from .decoder import SpeculativeDecoder, SpeculativeOutput
+from .decoder import SpeculativeDecoder, SpeculativeOutput, eval_mode
 from .linear_attention import GATED_DELTANET_MODEL_TYPES, LINEAR_ATTENTION, LinearAttentionStates
 
 
@@ -101,33 +101,25 @@ def speculative_generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     warpers = _warpers(temperature, top_k, top_p) if do_sample else None
-    modes = {module: module.training for module in (*target.modules(), *draft.modules())}
-    target.eval()
-    draft.eval()
-    try:
-        with (
-            torch.no_grad(),
-            TapRecorder(target, aux_layer_ids) as recorder,
-            decoding_attention(target),
-            LinearAttentionStates(target) as linear_states,
-        ):
-            decoder = (SpeculativeDecoder if pipeline is None else pipeline.decoder)(
-                target,
-                draft,
-                recorder,
-                linear_states,
-                speculation=speculation,
-                warpers=warpers,
-                greedy_drafts=draft_sampling == "greedy",
-                eos_ids=eos_ids,
-                generator=generator,
-            )
-            return decoder.generate(
-                input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id
-            )
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with (
+        eval_mode(target, draft),
+        torch.no_grad(),
+        TapRecorder(target, aux_layer_ids) as recorder,
+        decoding_attention(target),
+        LinearAttentionStates(target) as linear_states,
+    ):
+        decoder = (SpeculativeDecoder if pipeline is None else pipeline.decoder)(
+            target,
+            draft,
+            recorder,
+            linear_states,
+            speculation=speculation,
+            warpers=warpers,
+            greedy_drafts=draft_sampling == "greedy",
+            eos_ids=eos_ids,
+            generator=generator,
+        )
+        return decoder.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
 
 
 def _speculation_policy(num_speculative_tokens: int | SpeculationPolicy) -> SpeculationPolicy:

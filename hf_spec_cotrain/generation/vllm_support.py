@@ -27,6 +27,9 @@ from .vllm_engine import import_vllm
 
 __all__ = ["check_colocated_vllm_can_serve", "check_vllm_can_serve", "check_vllm_server_can_serve"]
 
+TRANSFORMERS_BACKEND_MODULE = "vllm.model_executor.models.transformers"
+TRANSFORMERS_BACKEND_CAUSAL_LM = "TransformersForCausalLM"
+
 
 def check_colocated_vllm_can_serve(policy: nn.Module, draft: DraftModel | None) -> None:
     """Refuse a policy (a transformers causal LM) and draft that a vLLM engine in this very process cannot serve: see
@@ -78,23 +81,21 @@ def check_vllm_can_serve(
     vllm = import_vllm()
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
-    from vllm.model_executor.models.transformers.base import Base as TransformersBackend
 
     # vLLM takes the first of the architectures it registers; with none registered it tries the Transformers backend.
     architecture = next((name for name in architectures if name in ModelRegistry.get_supported_archs()), None)
     policy = f"this {family} policy ({', '.join(architectures) or 'no architecture in its config'})"
     on_vllm = f"on vLLM {vllm.__version__}"
     hf_native = "use_vllm=False (the HF-native generator serves it)"
-    model_class = TransformersBackend
-    if architecture is not None:
-        try:
-            model_class = ModelRegistry.models[architecture].load_model_cls()
-        except Exception as error:  # whatever it is, vLLM's engine would meet it at start
-            raise ValueError(
-                f"vLLM cannot load its class for {policy} {on_vllm} ({type(error).__name__}: {error}), so no engine "
-                f"could start. Instead, {hf_native}."
-            ) from error
-    transformers_backend = issubclass(model_class, TransformersBackend)
+    try:  # with no class of its own for it, vLLM runs the Transformers backend's causal LM
+        model_class = ModelRegistry.models[architecture or TRANSFORMERS_BACKEND_CAUSAL_LM].load_model_cls()
+    except Exception as error:  # whatever it is, vLLM's engine would meet it at start
+        raise ValueError(
+            f"vLLM cannot load its class for {policy} {on_vllm} ({type(error).__name__}: {error}), so no engine "
+            f"could start. Instead, {hf_native}."
+        ) from error
+    # The backend's classes live in its module (a package since vLLM 0.11): no import of its internals needed.
+    transformers_backend = model_class.__module__.startswith(TRANSFORMERS_BACKEND_MODULE)
     if architecture is None:
         in_words = "vLLM's Transformers backend, as it has no class of its own for it"
     elif transformers_backend:

