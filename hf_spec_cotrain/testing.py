@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    CONFIG_MAPPING,
     GenerationConfig,
     GptOssConfig,
     GptOssForCausalLM,
@@ -34,6 +35,7 @@ from transformers import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
+from transformers.models.auto import modeling_auto
 
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_pass_through_draft",
     "build_tiny_target",
+    "decoder_only_families",
     "fill_seeded",
     "left_padded_prompts",
     "recorded_checkpoint_reads",
@@ -262,6 +265,30 @@ def build_tiny_target(
 
 
 @torch.no_grad()
+def decoder_only_families() -> list[str]:
+    """The model types of the installed transformers' causal-LM auto mapping that are decoder-only language models:
+    not in the masked-LM, sequence-to-sequence or image-text-to-text mappings (encoders with a decoder head,
+    encoder-decoders, multimodal models whose text part has its own type) and not a decoder made to sit under an
+    encoder (Whisper's config says so; MusicGen's holds its text encoder, audio encoder and decoder)."""
+    others = (
+        set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+        | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+        | set(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    )
+
+    def under_an_encoder(config_class) -> bool:
+        sub_configs = getattr(config_class, "sub_configs", {})
+        return config_class.is_encoder_decoder or (
+            "decoder" in sub_configs and any("encoder" in n for n in sub_configs)
+        )
+
+    return sorted(
+        model_type
+        for model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if model_type not in others and not under_an_encoder(CONFIG_MAPPING[model_type])
+    )
+
+
 def fill_seeded(model: PreTrainedModel, *, seed: int) -> None:
     """Fill `model`'s parameters as `build_tiny_target` does (seeded, logits of several units), for a model of a family
     it does not build."""

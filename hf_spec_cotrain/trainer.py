@@ -50,6 +50,7 @@ from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumabl
 from .training.data_parallel import TRLHooks
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback
 from .training.pipeline_parallel import load_pipeline_stage
+from .training.policy_support import check_trl_can_train
 from .training.rollout_backends import RolloutSampling, build_rollout_engine
 from .training.rollouts import build_rollouts
 from .training.strategy import GRPOLoss, build_parallel_strategy, unwrapped_hf
@@ -144,12 +145,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             tools=bool(self.tools),
         )
         self.parallel_dims.check_policy(self._policy(), aux_loss=self.aux_loss_enabled)
-        if args.gradient_checkpointing and not self._policy().supports_gradient_checkpointing:
-            # transformers would raise it at the first `train()`, after the engine and the draft are built
-            raise ValueError(
-                f"`gradient_checkpointing`=True (GRPOConfig's default) but this {self._policy().config.model_type} "
-                f"policy ({type(self._policy()).__name__}) does not support it. Set `gradient_checkpointing=False`."
-            )
+        check_trl_can_train(
+            self._policy(), gradient_checkpointing=args.gradient_checkpointing, aux_loss=self.aux_loss_enabled
+        )
         # Where accelerate dropped FSDP (on CPU), a context-parallel run shards the policy itself.
         shards_policy_itself = self.parallel_dims.cp_enabled and self.parallel_dims.fsdp and not self.is_fsdp_enabled
         if shards_policy_itself and args.save_strategy != "no":

