@@ -264,7 +264,6 @@ def build_tiny_target(
     return model.to(dtype).eval()
 
 
-@torch.no_grad()
 def decoder_only_families() -> list[str]:
     """The model types of the installed transformers' causal-LM auto mapping that are decoder-only language models:
     not in the masked-LM, sequence-to-sequence or image-text-to-text mappings (encoders with a decoder head,
@@ -289,6 +288,7 @@ def decoder_only_families() -> list[str]:
     )
 
 
+@torch.no_grad()
 def fill_seeded(model: PreTrainedModel, *, seed: int) -> None:
     """Fill `model`'s parameters as `build_tiny_target` does (seeded, logits of several units), for a model of a family
     it does not build."""

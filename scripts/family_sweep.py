@@ -7,7 +7,9 @@ models) a tiny policy is built from its default config and taken where a user ta
    policy, static checks, the trial speculative generation;
 2. greedy speculative generation with the trainer's draft equals `generate`, for each drafter;
 3. the draft's teacher (`PolicyHead`) equals the policy's own logits at the draft's rows;
-4. one GRPO step with speculation (EAGLE-3): no fallback, acceptance logged, the draft trained.
+4. one GRPO step with speculation (EAGLE-3): no fallback, acceptance logged, the draft trained;
+5. for a chosen subset (`VLLM_FAMILIES`, or ``--vllm_families``), the same GRPO step with a colocated vLLM engine
+   (the policy saved and loaded by name, as vLLM reads it): works, or refused when the trainer is built.
 
 Each family ends as ``works`` (every stage passed), ``refused`` (the trainer refused it when built, with a ValueError
 naming the family) or ``broken`` (anything else: a raw error, a wrong result, a fallback), which is a bug. A family
@@ -19,6 +21,7 @@ runs part of it in CI; this script runs all of it, each family in its own proces
 
 import argparse
 import contextlib
+import importlib.util
 import inspect
 import io
 import json
@@ -91,6 +94,10 @@ TINY_OVERRIDES: dict[str, dict] = {
     "kimi_linear": {"layer_types": HYBRID_LAYERS},
 }
 OUTCOMES = ("works", "refused", "broken", "not built")
+# Families whose GRPO step also runs with a colocated vLLM engine: classes with vLLM's EAGLE-3 interface (Llama, Qwen3,
+# Granite, whose logit scaling vLLM applies), one without it (Granite-MoE) and one vLLM runs through its Transformers
+# backend (Olmo2).
+VLLM_FAMILIES = ("llama", "qwen3", "granite", "granitemoe", "olmo2")
 
 
 @dataclass
@@ -100,6 +107,8 @@ class FamilyOutcome:
     stage: str = ""
     detail: str = ""
     seconds: float = 0.0
+    vllm: str = ""  # the vLLM colocate stage's outcome ("": not run)
+    vllm_detail: str = ""
 
 
 def tiny_config(model_type: str, vocab_size: int, special_ids: dict[str, int]):
@@ -139,7 +148,7 @@ def tiny_policy(model_type: str, tokenizer):
     return policy
 
 
-def sweep_family(model_type: str, workdir: str, *, grpo: bool = True) -> FamilyOutcome:
+def sweep_family(model_type: str, workdir: str, *, grpo: bool = True, vllm: bool = False) -> FamilyOutcome:
     """Take one family through the stages of the module's docstring; the first that does not pass decides."""
     import torch
     from datasets import Dataset
@@ -150,8 +159,8 @@ def sweep_family(model_type: str, workdir: str, *, grpo: bool = True) -> FamilyO
 
     started = time.perf_counter()
 
-    def outcome(kind: str, stage: str = "", detail: str = "") -> FamilyOutcome:
-        return FamilyOutcome(model_type, kind, stage, detail, round(time.perf_counter() - started, 1))
+    def outcome(kind: str, stage: str = "", detail: str = "", **vllm_outcome) -> FamilyOutcome:
+        return FamilyOutcome(model_type, kind, stage, detail, round(time.perf_counter() - started, 1), **vllm_outcome)
 
     tokenizer = build_char_tokenizer()
     try:
@@ -161,9 +170,9 @@ def sweep_family(model_type: str, workdir: str, *, grpo: bool = True) -> FamilyO
     except Exception as error:
         return outcome("not built", "tiny config", f"{type(error).__name__}: {error}")
 
-    def config(drafter: str) -> SpecCoTrainConfig:
+    def config(drafter: str, **overrides) -> SpecCoTrainConfig:
         return SpecCoTrainConfig(
-            output_dir=os.path.join(workdir, drafter),
+            output_dir=os.path.join(workdir, drafter + ("-vllm" if overrides else "")),
             use_cpu=True,
             bf16=False,
             report_to="none",
@@ -178,7 +187,23 @@ def sweep_family(model_type: str, workdir: str, *, grpo: bool = True) -> FamilyO
             num_speculative_tokens=K,
             aux_layer_ids=TAPS if drafter == "eagle3" else None,  # DFlash taps its default, the middle layer
             draft_warmup_steps=0,
+            **overrides,
         )
+
+    def refusal_or_bug(error: Exception) -> tuple[str, str]:
+        if not isinstance(error, ValueError):
+            return "broken", f"{type(error).__name__}: {error}"
+        if model_type not in str(error) and type(policy).__name__ not in str(error):
+            return "broken", f"a refusal that does not name the family: {error}"
+        return "refused", str(error)
+
+    def speculated_without_fallback(trainer) -> str | None:
+        """What is wrong with the step's log, None if nothing."""
+        (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+        if "spec/fallback" in log or "spec/acceptance_length" not in log or "draft/loss" not in log:
+            keys = sorted(key for key in log if key.startswith(("spec/", "draft/loss")))
+            return f"fallback or no speculation in the step's log: {keys}"
+        return None
 
     def count_upper(completions, **kwargs):
         return [float(sum(c.isupper() for c in text)) for text in completions]
@@ -194,12 +219,9 @@ def sweep_family(model_type: str, workdir: str, *, grpo: bool = True) -> FamilyO
                 train_dataset=dataset,
                 processing_class=tokenizer,
             )
-        except ValueError as error:
-            if model_type not in str(error) and type(policy).__name__ not in str(error):
-                return outcome("broken", f"build ({drafter})", f"a refusal that does not name the family: {error}")
-            return outcome("refused", f"build ({drafter})", str(error))
         except Exception as error:
-            return outcome("broken", f"build ({drafter})", f"{type(error).__name__}: {error}")
+            kind, detail = refusal_or_bug(error)
+            return outcome(kind, f"build ({drafter})", detail)
 
     for drafter, trainer in trainers.items():
         try:
@@ -235,16 +257,41 @@ def sweep_family(model_type: str, workdir: str, *, grpo: bool = True) -> FamilyO
             trainer.train()
         except Exception as error:
             return outcome("broken", "grpo step", f"{type(error).__name__}: {error}")
-        (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
-        if "spec/fallback" in log or "spec/acceptance_length" not in log or "draft/loss" not in log:
-            keys = sorted(key for key in log if key.startswith(("spec/", "draft/loss")))
-            return outcome("broken", "grpo step", f"fallback or no speculation in the step's log: {keys}")
-    return outcome("works")
+        wrong = speculated_without_fallback(trainer)
+        if wrong:
+            return outcome("broken", "grpo step", wrong)
+    if not vllm:
+        return outcome("works")
+    folder = os.path.join(workdir, "policy")  # vLLM reads the policy from its folder
+    policy.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    colocated = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 128}
+    try:
+        trainer = SpecCoTrainGRPOTrainer(
+            model=folder,
+            reward_funcs=count_upper,
+            args=config("eagle3", **colocated),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    except Exception as error:
+        kind, detail = refusal_or_bug(error)
+        return outcome("works", vllm=kind, vllm_detail=detail)
+    try:
+        trainer.train()
+        wrong = speculated_without_fallback(trainer)
+    except Exception as error:
+        wrong = f"{type(error).__name__}: {error}"
+    finally:
+        trainer.rollout_engine.close()
+    return outcome("works", vllm="broken" if wrong else "works", vllm_detail=wrong or "")
 
 
-def _run_in_child(model_type: str, grpo: bool, memory_gb: float) -> dict:
-    """One family in a fresh process with bounded memory; its output swallowed (one line each in the table)."""
-    resource.setrlimit(resource.RLIMIT_AS, (int(memory_gb * 2**30), resource.RLIM_INFINITY))
+def _run_in_child(model_type: str, grpo: bool, vllm: bool, memory_gb: float) -> dict:
+    """One family in a fresh process with bounded memory (but for a vLLM engine, which maps far more address space
+    than it uses); its output swallowed (one line each in the table)."""
+    if not vllm:
+        resource.setrlimit(resource.RLIMIT_AS, (int(memory_gb * 2**30), resource.RLIM_INFINITY))
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     with (
@@ -253,7 +300,7 @@ def _run_in_child(model_type: str, grpo: bool, memory_gb: float) -> dict:
         contextlib.redirect_stderr(io.StringIO()),
     ):
         try:
-            return asdict(sweep_family(model_type, workdir, grpo=grpo))
+            return asdict(sweep_family(model_type, workdir, grpo=grpo, vllm=vllm))
         except MemoryError as error:
             return asdict(FamilyOutcome(model_type, "not built", "memory", f"over {memory_gb} GB: {error}"))
         except Exception:  # the sweep's own bug: keep the trace
@@ -272,25 +319,31 @@ def write_table(outcomes: list[FamilyOutcome], path: Path) -> None:
     import transformers
 
     counts = {kind: sum(o.outcome == kind for o in outcomes) for kind in OUTCOMES}
+    vllm_families = sorted(f"`{o.model_type}`" for o in outcomes if o.vllm)
     lines = [
         "# Decoder families: what the package does with each",
         "",
         f"Generated by `scripts/family_sweep.py` with transformers {transformers.__version__} (do not edit by hand).",
         "Every decoder-only causal-LM family transformers ships, built tiny from its default config, goes through the",
         "trainer with HF-native speculative rollouts (EAGLE-3 and DFlash drafts built from it, the trial generation),",
-        "greedy speculative decoding against `generate`, the teacher against the policy's logits, and one GRPO step.",
+        "greedy speculative decoding against `generate`, the teacher against the policy's logits, and one GRPO step;",
+        f"for {', '.join(vllm_families) or 'none'} also that step with a colocated vLLM engine (column vLLM).",
         "**works**: every stage passed; **refused**: the trainer refuses it when built, saying why and what works",
         "instead; **not built**: the sweep could not make its default config tiny (no verdict on the package).",
         "",
         "Totals: " + ", ".join(f"{counts[kind]} {kind}" for kind in OUTCOMES),
         "",
-        "| family | outcome | stage | why (refusals: the trainer's message) | seconds |",
-        "|---|---|---|---|---|",
+        "| family | outcome | stage | why (refusals: the trainer's message) | vLLM | seconds |",
+        "|---|---|---|---|---|---|",
     ]
+
+    def cell(text: str) -> str:
+        text = " ".join(text.split()).replace("|", "\\|")
+        return text if len(text) <= 400 else text[:397] + "..."
+
     for o in sorted(outcomes, key=lambda o: (OUTCOMES.index(o.outcome), o.model_type)):
-        detail = " ".join(o.detail.split()).replace("|", "\\|")
-        detail = detail if len(detail) <= 400 else detail[:397] + "..."
-        lines.append(f"| `{o.model_type}` | {o.outcome} | {o.stage} | {detail} | {o.seconds} |")
+        vllm = f"{o.vllm}: {cell(o.vllm_detail)}" if o.vllm_detail else o.vllm
+        lines.append(f"| `{o.model_type}` | {o.outcome} | {o.stage} | {cell(o.detail)} | {vllm} | {o.seconds} |")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -299,22 +352,30 @@ def main(argv=None) -> int:
     parser.add_argument("--families", nargs="*", help="model types (default: every decoder-only family)")
     parser.add_argument("--jobs", type=int, default=1, help="families swept at once, each in its own process")
     parser.add_argument("--memory_gb", type=float, default=6.0, help="memory limit of each family's process")
-    parser.add_argument("--no_grpo", action="store_true", help="skip the GRPO step (the other stages only)")
+    parser.add_argument("--no_grpo", action="store_true", help="skip the GRPO steps (the other stages only)")
+    parser.add_argument(
+        "--vllm_families",
+        nargs="*",
+        default=VLLM_FAMILIES,
+        help="families whose GRPO step also runs with a colocated vLLM engine (none without vLLM installed)",
+    )
     parser.add_argument("--output", type=Path, help="write the markdown table here (e.g. docs/family_sweep.md)")
     parser.add_argument("--json", type=Path, help="write the outcomes as JSON here")
     args = parser.parse_args(argv)
     from hf_spec_cotrain.testing import decoder_only_families
 
     families = args.families or decoder_only_families()
+    vllm_families = set(args.vllm_families) if importlib.util.find_spec("vllm") and not args.no_grpo else set()
     context = multiprocessing.get_context("spawn")
     outcomes = []
     with context.Pool(args.jobs, maxtasksperchild=1) as pool:
-        tasks = [(family, not args.no_grpo, args.memory_gb) for family in families]
+        tasks = [(family, not args.no_grpo, family in vllm_families, args.memory_gb) for family in families]
         for result in pool.imap_unordered(_run_task, tasks):
             outcome = FamilyOutcome(**result)
             outcomes.append(outcome)
             print(
-                f"{outcome.model_type:28s} {outcome.outcome:10s} {outcome.stage:18s} {outcome.detail[:150]}",
+                f"{outcome.model_type:28s} {outcome.outcome:10s} {outcome.stage:18s} {outcome.detail[:150]} "
+                f"{outcome.vllm} {outcome.vllm_detail[:150]}",
                 flush=True,
             )
     if args.output:
@@ -323,7 +384,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=1), encoding="utf-8")
     counts = {kind: sum(o.outcome == kind for o in outcomes) for kind in OUTCOMES}
     print(", ".join(f"{counts[kind]} {kind}" for kind in OUTCOMES))
-    return 1 if counts["broken"] else 0
+    return 1 if counts["broken"] or any(o.vllm == "broken" for o in outcomes) else 0
 
 
 if __name__ == "__main__":
