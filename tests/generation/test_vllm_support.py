@@ -59,7 +59,7 @@ def test_a_class_without_the_taps_interface_is_refused_with_a_draft(drafter, col
     """vLLM's runner asks the target for the taps through SupportsEagle3, for both drafters: without it the engine
     fails at start ("Model does not support EAGLE3 interface ..."). Plain rollouts need no taps."""
     message = (
-        rf"vLLM cannot serve this granitemoe policy \(GraniteMoeForCausalLM\) with a {drafter} draft {ON_VLLM}: "
+        rf"vLLM cannot serve this granitemoe policy \(GraniteMoeForCausalLM\) with its {drafter} draft {ON_VLLM}: "
         rf"vLLM's GraniteMoeForCausalLM does not implement SupportsEagle3.*Instead, {HF_NATIVE}\.$"
     )
     with pytest.raises(ValueError, match=message):
@@ -118,7 +118,7 @@ def test_the_server_checks_its_checkpoints_before_building_its_engine(tmp_path, 
         server_module.serve(engine_kwargs={"model": str(policy_dir), "draft_model": str(draft_dir)})
 
     with pytest.raises(
-        ValueError, match=r"granitemoe policy .* with a dflash draft .*does not implement SupportsEagle3"
+        ValueError, match=r"granitemoe policy .* with its dflash draft .*does not implement SupportsEagle3"
     ):
         serve("granitemoe", "dflash")
     with pytest.raises(ValueError, match=r"olmo2 policy .*has no tap 0"):

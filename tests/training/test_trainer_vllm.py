@@ -182,7 +182,7 @@ def test_a_policy_the_engine_cannot_take_is_refused_at_start(tmp_path, vllm_engi
         ),
         pytest.param(
             "granitemoe",
-            "with a {drafter} draft on vLLM .*: vLLM's GraniteMoeForCausalLM does not implement SupportsEagle3",
+            "with its {drafter} draft on vLLM .*: vLLM's GraniteMoeForCausalLM does not implement SupportsEagle3",
             id="granitemoe",
         ),
     ],
