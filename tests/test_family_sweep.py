@@ -19,7 +19,7 @@ import family_sweep  # noqa: E402
 
 
 # Dense, MoE, sliding windows with sinks, soft-caps, logit scaling, latent attention, non-Llama field names, and
-# families refused for their layers.
+# families refused for their layers, for an attention outside transformers' interface (CodeGen) and for TRL's step.
 REPRESENTATIVE = (
     "llama",
     "qwen3_moe",
@@ -33,6 +33,8 @@ REPRESENTATIVE = (
     "gpt2",
     "mamba",
     "lfm2",
+    "codegen",
+    "granitemoe",
 )
 ROTATING_PART = 6
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from tiny_policy import save_tiny_policy_of_type, tiny_grpo_kwargs
-from transformers import CodeGenConfig, CodeGenForCausalLM, TrainerCallback
+from transformers import AttentionInterface, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_spec_cotrain import Eagle3DraftModel, SpecCoTrainConfig, SpecCoTrainGRPOTrainer
@@ -355,28 +356,39 @@ def test_the_trial_generation_takes_the_policys_argmax_up_to_rounding():
     check_greedy_tokens(torch.tensor([1]), torch.tensor([[2.0, 1.999]], dtype=torch.bfloat16))  # bf16's rounding
 
 
+def _causal_attention_ignoring_the_mask(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal attention that ignores the mask it is given, as attention outside transformers' attention interface does
+    (CodeGen's, Falcon's, MPT's in transformers 5.19): right for a forward from scratch, wrong for the generator's
+    verification rows over a cache with holes."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("test_causal_ignoring_the_mask", _causal_attention_ignoring_the_mask)
+
+
 def test_a_policy_whose_attention_ignores_the_generators_masks_is_refused_at_build(tmp_path):
-    """CodeGen's attention does not go through transformers' attention interface: the generator's speculative tokens
-    run fine but are not the policy's own greedy ones, which the trial generation sees."""
-    tokenizer = build_char_tokenizer()
-    config = CodeGenConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        n_embd=64,
-        n_layer=8,
-        n_head=4,
-        rotary_dim=16,
-        n_positions=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    policy = CodeGenForCausalLM(config)
-    with torch.no_grad():  # peaked logits: greedy decoding far from ties
-        policy.lm_head.weight.normal_(0.0, 3.0 / 64**0.5)
-    with pytest.raises(ValueError, match=r"cannot serve this codegen policy: .*is not the argmax of the policy's own"):
-        _trainer(policy, _config(tmp_path, gradient_checkpointing=False))
-    _trainer(policy, _config(tmp_path, speculative_decoding=False, gradient_checkpointing=False))
+    """The generator's speculative tokens then run fine but are not the policy's own greedy ones, which the trial
+    generation sees (the sweep shows it on CodeGen, Falcon, GPT-J, GPT-Neo, MPT and TrOCR)."""
+    policy = build_tiny_target("qwen3", num_layers=8)
+    policy.config._attn_implementation = "test_causal_ignoring_the_mask"
+    with torch.no_grad():
+        input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+        torch.testing.assert_close(policy(input_ids).logits, _reference_logits(policy, input_ids))
+    with pytest.raises(ValueError, match=r"cannot serve this qwen3 policy: .*is not the argmax of the policy's own"):
+        _trainer(policy, _config(tmp_path))
+    _trainer(policy, _config(tmp_path, speculative_decoding=False))
+
+
+def _reference_logits(policy, input_ids):
+    """The policy's logits with its attention back to eager: the mask-ignoring one is right on a forward from scratch."""
+    policy.config._attn_implementation = "eager"
+    try:
+        return policy(input_ids).logits
+    finally:
+        policy.config._attn_implementation = "test_causal_ignoring_the_mask"
 
 
 def test_a_load_balancing_loss_trl_cannot_compute_is_refused_at_build(tmp_path):

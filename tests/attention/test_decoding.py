@@ -179,9 +179,12 @@ def test_attention_variants_attend_through_it(family):
 def test_a_soft_capped_model_on_sdpa_is_refused():
     """transformers' SDPA attention drops Gemma2's soft-cap, so the model's own forwards run without it: decoding it
     with the cap would sample another model than the one trained, and decoding it without would drop the cap
-    silently."""
+    silently. (transformers 5.25 refuses SDPA for Gemma2 itself: nothing to guard there.)"""
     model = build_attention_variant_target("gemma2")
-    model.set_attn_implementation("sdpa")
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError as error:
+        pytest.skip(f"this transformers does not run Gemma2 on SDPA: {error}")
     input_ids = torch.randint(4, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
     masks = target_attention_mask(torch.ones_like(input_ids, dtype=torch.bool), 5, layer_windows(model.config))
     with torch.no_grad(), decoding_attention(model), pytest.raises(ValueError, match=r"softcap=2\.0.*'eager'"):
