@@ -55,8 +55,8 @@ from .validation import check_branch_attention_inputs
 
 @dataclass(frozen=True)
 class ZigzagLayout:
-    """Global indices, document ids and blocks of every rank's shard (the keys), those of this rank's queries, the
-    sliding window and the ring steps that it leaves, as all ranks compute them alike (the queries: this rank's)."""
+    """Global indices, document ids and blocks of every rank's shard (the keys) and of this rank's queries, the
+    sliding window and the ring steps that it leaves; all but the queries are alike on every rank."""
 
     group: dist.ProcessGroup
     rank: int
@@ -152,8 +152,9 @@ def ring_branch_attention_forward(
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]`, `lse [B, Hkv, G, L/W]` and the
-    trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
+    """Ring forward on public layouts; returns this rank's `out [B, Hq, Lq, D]`, `lse [B, Hkv, G, Lq]` (Lq = L/W
+    without `query_index`) and the trunk K/V the backward needs: only this rank's shard (the backward runs the ring
+    again)."""
     dtype = compute_dtype(q.dtype)
     q_grouped = grouped_by_kv_head(q, k.shape[1], dtype)
     out, lse = empty_partial(q_grouped)

@@ -399,6 +399,8 @@ def invalid_inputs(mode: str) -> None:
             q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
             cu_seqlens=torch.tensor([0, 12]), cp_group=group, cp_mode=mode,
         )  # fmt: skip
+    with pytest.raises(ValueError, match=r"strictly increasing positions in \[0, 6\)"):  # local, not global
+        branch_attention(q[:, :, :1], k, v, cp_group=group, cp_mode=mode, query_index=torch.tensor([6]))
     with pytest.raises(ValueError, match=r"Hq=3 must be a multiple"):
         k2 = torch.randn(1, 2, 6, 4)
         branch_attention(torch.randn(1, 3, 6, 4), k2, k2, cp_group=group, cp_mode=mode)
