@@ -49,7 +49,8 @@ def branch_attention(
             are exact.
         query_index: int64 `[Lq]`, strictly increasing: the positions the queries sit at, when only some
             positions need an output (the TTT's later steps). Same result as the full call at those rows, for
-            the cost of Lq queries. Not with context parallelism.
+            the cost of Lq queries. With context parallelism: the local positions (in this rank's shard) of this
+            rank's queries; each rank passes its own (an empty one included).
         sliding_window: a query sees the trunk keys of the last `sliding_window` positions of its document, itself
             included (transformers' sliding-window mask); None: its whole causal past. Key blocks, and with
             context parallelism ring steps, beyond every query's window are skipped.
@@ -62,8 +63,6 @@ def branch_attention(
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        if query_index is not None:
-            raise ValueError("query_index is not supported with context parallelism (cp_group of W > 1).")
         return CONTEXT_PARALLEL_FUNCS[cp_mode](
             q,
             k,
@@ -74,6 +73,7 @@ def branch_attention(
             cu_seqlens=cu_seqlens,
             scale=scale,
             block_size=block_size,
+            query_index=query_index,
             sliding_window=sliding_window,
             sinks=sinks,
         )

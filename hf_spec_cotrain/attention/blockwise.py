@@ -359,7 +359,7 @@ def branch_attention_forward(
     """Single-device forward on public layouts; returns `out [B, Hq, Lq, D]` in q's dtype and `lse [B, Hkv, G, Lq]`."""
     dtype = compute_dtype(q.dtype)
     q_grouped = grouped_by_kv_head(q, k.shape[1], dtype)
-    query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
+    query_positions, query_doc_ids = at_queries(positions, doc_ids, query_index)
     out, lse = trunk_forward(
         q_grouped,
         k.to(dtype),
@@ -400,7 +400,7 @@ def branch_attention_backward(
     branch, without sinks)."""
     q_grouped, dout_grouped, delta = grouped_backward_inputs(dout, q, out, k.shape[1])
     dtype = q_grouped.dtype
-    query_positions, query_doc_ids = _at_queries(positions, doc_ids, query_index)
+    query_positions, query_doc_ids = at_queries(positions, doc_ids, query_index)
     dq, dk, dv = trunk_backward(
         dout_grouped,
         q_grouped,
@@ -427,7 +427,7 @@ def autocast_off(tensor: torch.Tensor):
     return torch.autocast(tensor.device.type, enabled=False)
 
 
-def _at_queries(positions, doc_ids, query_index):
+def at_queries(positions, doc_ids, query_index):
     """Positions and document ids of the queries: all L, or those at `query_index`."""
     if query_index is None:
         return positions, doc_ids

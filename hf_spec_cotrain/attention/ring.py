@@ -14,7 +14,8 @@ so they join the softmax locally in closed form (`branch_forward` / `branch_back
 
 Masks compare global indices and document ids, so blocks never cross a zigzag chunk (`block_spans`):
 the chunks that the causal structure makes invisible from a query chunk are skipped whole (in a ring step
-from an earlier rank the second half of the keys, from a later rank the first half of the queries).
+from an earlier rank the second half of the keys, from a later rank the first half of the queries), by position,
+so the same holds for queries at some local positions only (`query_index`).
 Each step's blocks run on the per-block kernel that `kernels.py` chooses (a fused CUDA kernel that returns the
 log-sum-exp where one takes the block, else pure PyTorch); the backward is pure PyTorch.
 A sliding window also skips whole ring steps (`ring_steps`): the K/V then hop over the ranks that no query
@@ -38,6 +39,7 @@ from .blockwise import (
     add_branch_grads,
     add_branch_partial,
     add_sinks,
+    at_queries,
     autocast_off,
     compute_dtype,
     empty_partial,
@@ -53,8 +55,8 @@ from .validation import check_branch_attention_inputs
 
 @dataclass(frozen=True)
 class ZigzagLayout:
-    """Global indices, document ids and blocks of every rank's shard, the sliding window and the ring steps that
-    it leaves, as all ranks compute them alike."""
+    """Global indices, document ids and blocks of every rank's shard (the keys) and of this rank's queries, the
+    sliding window and the ring steps that it leaves; all but the queries are alike on every rank."""
 
     group: dist.ProcessGroup
     rank: int
@@ -62,6 +64,9 @@ class ZigzagLayout:
     positions: list[torch.Tensor]
     doc_ids: list[torch.Tensor]
     spans: list[list[BlockSpan]]
+    query_positions: torch.Tensor
+    query_doc_ids: torch.Tensor
+    query_spans: list[BlockSpan]
     window: int | None
     steps: list[int]
 
@@ -75,7 +80,9 @@ class ZigzagLayout:
         block_size: int,
         device: torch.device,
         window: int | None,
+        query_index: torch.Tensor | None = None,
     ) -> "ZigzagLayout":
+        """`query_index`: the local positions of this rank's queries (None: all of its shard)."""
         rank, world_size = group_rank_and_size(group)
         bounds = zigzag_bounds(world_size, cu_seqlens=cu_seqlens, length=local_length * world_size)
         positions, doc_ids, spans = [], [], []
@@ -85,8 +92,26 @@ class ZigzagLayout:
             spans.append(block_spans(indices, documents, block_size))
             positions.append(indices.to(device))
             doc_ids.append(documents.to(device))
+        if query_index is None:
+            query_positions, query_doc_ids, query_spans = positions[rank], doc_ids[rank], spans[rank]
+        else:
+            query_positions, query_doc_ids = at_queries(positions[rank], doc_ids[rank], query_index.to(device))
+            query_spans = block_spans(query_positions, query_doc_ids, block_size)
+        # The steps stay those of the whole shards: every rank must take part in each hop, whatever its queries.
         steps = ring_steps(world_size, window, cu_seqlens=bounds)
-        return cls(group, rank, world_size, positions, doc_ids, spans, window, steps)
+        return cls(
+            group,
+            rank,
+            world_size,
+            positions,
+            doc_ids,
+            spans,
+            query_positions,
+            query_doc_ids,
+            query_spans,
+            window,
+            steps,
+        )
 
     def source(self, step: int) -> int:
         """The rank whose trunk K/V this rank holds at ring step `step`."""
@@ -101,11 +126,11 @@ class ZigzagLayout:
     def trunk_kwargs(self, source: int, block_size: int) -> dict:
         """`trunk_forward` / `trunk_backward` keyword arguments for this rank's queries against `source`'s keys."""
         return {
-            "query_positions": self.positions[self.rank],
-            "query_doc_ids": self.doc_ids[self.rank],
+            "query_positions": self.query_positions,
+            "query_doc_ids": self.query_doc_ids,
             "key_positions": self.positions[source],
             "key_doc_ids": self.doc_ids[source],
-            "query_spans": self.spans[self.rank],
+            "query_spans": self.query_spans,
             "key_spans": self.spans[source],
             "block_size": block_size,
             "window": self.window,
@@ -127,8 +152,9 @@ def ring_branch_attention_forward(
     scale: float,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Ring forward on public layouts; returns this rank's `out [B, Hq, L/W, D]`, `lse [B, Hkv, G, L/W]` and the
-    trunk K/V the backward needs: only this rank's shard (the backward runs the ring again)."""
+    """Ring forward on public layouts; returns this rank's `out [B, Hq, Lq, D]`, `lse [B, Hkv, G, Lq]` (Lq = L/W
+    without `query_index`) and the trunk K/V the backward needs: only this rank's shard (the backward runs the ring
+    again)."""
     dtype = compute_dtype(q.dtype)
     q_grouped = grouped_by_kv_head(q, k.shape[1], dtype)
     out, lse = empty_partial(q_grouped)
@@ -328,11 +354,22 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- wrappers
 
 
-def _sharded(kernels, q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, sliding_window, sinks):
-    """Validate zigzag-sharded inputs (`cu_seqlens` global), build the layout and run `kernels` (forward, backward)
-    through the autograd function."""
+def _sharded(
+    kernels, q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, query_index, sliding_window, sinks
+):
+    """Validate zigzag-sharded inputs (`cu_seqlens` global, `query_index` local), build the layout and run `kernels`
+    (forward, backward) through the autograd function."""
     branch_k, branch_v, scale = check_branch_attention_inputs(
-        q, k, v, branch_k, branch_v, cu_seqlens=None, scale=scale, sliding_window=sliding_window, sinks=sinks
+        q,
+        k,
+        v,
+        branch_k,
+        branch_v,
+        cu_seqlens=None,
+        scale=scale,
+        query_index=query_index,
+        sliding_window=sliding_window,
+        sinks=sinks,
     )
     check_int(block_size, "block_size")
     if group is None:
@@ -340,14 +377,15 @@ def _sharded(kernels, q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, 
     _, world_size = group_rank_and_size(group)
     if cu_seqlens is not None:
         # cu_seqlens spans the global sequence: W times this rank's shard.
-        check_cu_seqlens(cu_seqlens, length=q.shape[2] * world_size, batch_size=q.shape[0])
+        check_cu_seqlens(cu_seqlens, length=k.shape[2] * world_size, batch_size=q.shape[0])
     layout = ZigzagLayout.build(
         group=group,
-        local_length=q.shape[2],
+        local_length=k.shape[2],
         cu_seqlens=cu_seqlens,
         block_size=block_size,
         device=q.device,
         window=sliding_window,
+        query_index=query_index,
     )
     return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
 
@@ -363,10 +401,12 @@ def ring_branch_attention_func(
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
+    query_index: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call."""
+    """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call, each with
+    the local positions of its own queries as `query_index` (an empty one included) if any."""
     return _sharded(
         (ring_branch_attention_forward, ring_branch_attention_backward),
         q,
@@ -378,6 +418,7 @@ def ring_branch_attention_func(
         cu_seqlens=cu_seqlens,
         scale=scale,
         block_size=block_size,
+        query_index=query_index,
         sliding_window=sliding_window,
         sinks=sinks,
     )
@@ -394,6 +435,7 @@ def allgather_branch_attention_func(
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
     block_size: int = BLOCK_SIZE,
+    query_index: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -409,6 +451,7 @@ def allgather_branch_attention_func(
         cu_seqlens=cu_seqlens,
         scale=scale,
         block_size=block_size,
+        query_index=query_index,
         sliding_window=sliding_window,
         sinks=sinks,
     )

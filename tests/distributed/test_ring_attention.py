@@ -15,7 +15,7 @@ from hf_spec_cotrain.attention.api import CP_MODES
 from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS
 from hf_spec_cotrain.parallel import zigzag_shard
 from hf_spec_cotrain.parallel.comm import RingComm
-from hf_spec_cotrain.parallel.zigzag import ring_steps
+from hf_spec_cotrain.parallel.zigzag import ring_steps, zigzag_indices
 
 
 pytestmark = pytest.mark.distributed
@@ -146,6 +146,113 @@ def test_matches_dense_reference(cp_pool, world_size, mode):
     ]
     checked = cp_pool.run(check_cases, world_size, mode, cases_per_group)
     assert checked == [2 * len(cases_per_group[rank // world_size]) for rank in range(POOL_WORLD_SIZE)]
+
+
+def query_positions_of(case: dict, world_size: int) -> torch.Tensor:
+    """The global positions that have a query (the same on every rank): a random subset of some density, and in
+    half the cases none of one rank's positions (an empty query set there)."""
+    generator = torch.Generator().manual_seed(case["seed"] + 1)
+    density = float(torch.rand((), generator=generator)) * 0.8 + 0.1
+    kept = torch.rand(case["length"], generator=generator) < density
+    if torch.rand((), generator=generator) < 0.5:
+        empty_rank = int(torch.randint(world_size, (), generator=generator))
+        kept[zigzag_indices(empty_rank, world_size, cu_seqlens=cu_seqlens_of(case), length=case["length"])] = False
+    return kept.nonzero().flatten()
+
+
+def reference_at_rows(q, k, v, branch_k, branch_v, sinks, *, query_index, **kwargs):
+    """The dense reference for queries at `query_index` only: the full call with zero queries and branch keys
+    elsewhere, its output read at those rows (so the other rows get no upstream gradient)."""
+    length = k.shape[2]
+    full_q = q.new_zeros(*q.shape[:2], length, q.shape[3]).index_copy(2, query_index, q)
+    full_branch = [
+        None if b is None else b.new_zeros(*b.shape[:3], length, b.shape[4]).index_copy(3, query_index, b)
+        for b in (branch_k, branch_v)
+    ]
+    out = branch_attention_reference(full_q, k, v, *full_branch, sinks=sinks, **kwargs)
+    return out.index_select(2, query_index)
+
+
+def check_query_index_case(case: dict, dtype: torch.dtype, group: dist.ProcessGroup, mode: str) -> int:
+    """Queries at some local positions of every rank (`query_index`): this rank's output and gradient rows equal
+    the dense reference's and the single-device call's at the same global positions; returns its query count."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    cu_seqlens = cu_seqlens_of(case)
+    global_index = query_positions_of(case, world_size)
+    shard_positions = zigzag_indices(rank, world_size, cu_seqlens=cu_seqlens, length=case["length"])
+    local_index = torch.isin(shard_positions, global_index).nonzero().flatten()
+    rows = torch.searchsorted(global_index, shard_positions[local_index])  # this rank's rows of the global call
+
+    inputs = make_inputs(case, dtype)
+    at_queries = {"q": 2, "branch_k": 3, "branch_v": 3}  # the per-query tensors and their sequence dimension
+    for name, dim in at_queries.items():
+        if inputs[name] is not None:
+            inputs[name] = inputs[name].index_select(dim, global_index)
+    upstream = torch.randn(inputs["q"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    options = dict(cu_seqlens=cu_seqlens, scale=case["scale"], sliding_window=case["window"])
+    exact = {name: None if t is None else t.double() for name, t in inputs.items()}
+    references = [
+        outputs_and_grads(reference_at_rows, exact, upstream, query_index=global_index, **options),
+        outputs_and_grads(
+            branch_attention, inputs, upstream, query_index=global_index, block_size=case["block_size"], **options
+        ),
+    ]
+
+    def local(name, tensor):
+        if tensor is None or name == "dsinks":
+            return tensor
+        if name in ("dk", "dv"):
+            return zigzag_shard(tensor, 2, rank, world_size, cu_seqlens)
+        return tensor.index_select(3 if "branch" in name else 2, rows)
+
+    shards = {name: None if inputs[name] is None else local(name, inputs[name]) for name in at_queries}
+    shards.update({name: zigzag_shard(inputs[name], 2, rank, world_size, cu_seqlens) for name in ("k", "v")})
+    shards["sinks"] = inputs["sinks"]  # replicated, like the parameter it is
+    actual = outputs_and_grads(
+        context_parallel_attention(group, mode),
+        shards,
+        local("out", upstream),
+        query_index=local_index,
+        block_size=case["block_size"],
+        **options,
+    )
+    if actual[-1] is not None:
+        dist.all_reduce(actual[-1], group=group)
+    tolerance = {"rtol": 0, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for expected in references:
+        for name, got, want in zip(NAMES, actual, expected):
+            if (name.startswith("dbranch") and case["num_branch"] == 0) or (name == "dsinks" and not case["sinks"]):
+                assert got is None and want is None, name
+                continue
+            assert got.dtype == dtype, name
+            torch.testing.assert_close(
+                got, local(name, want).to(dtype), **tolerance, msg=lambda m, n=name, c=case: f"{n} {c}: {m}"
+            )
+    return local_index.numel()
+
+
+def check_query_index_cases(size: int, mode: str, cases_per_group: list[list[dict]]) -> list[int]:
+    group = subgroup(size)
+    counts = []
+    for case in cases_per_group[dist.get_rank() // size]:
+        for dtype in (torch.float64, torch.float32):
+            counts.append(check_query_index_case(case, dtype, group, mode))
+    return counts
+
+
+@pytest.mark.parametrize("mode", CP_MODES)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_query_index_matches_reference_rows(cp_pool, world_size, mode):
+    """`query_index` on zigzag shards (DFlash's anchors, the TTT's later steps): packed documents, sliding windows,
+    sinks, branches, odd and empty local query sets, forward and backward."""
+    num_groups = POOL_WORLD_SIZE // world_size
+    cases_per_group = [
+        [random_case(3000 * world_size + 10 * group + index, world_size) for index in range(8 // num_groups + 2)]
+        for group in range(num_groups)
+    ]
+    counts = cp_pool.run(check_query_index_cases, world_size, mode, cases_per_group)
+    flat = [count for per_rank in counts for count in per_rank]
+    assert 0 in flat and any(count % 2 for count in flat), counts  # empty and odd local query sets were covered
 
 
 def check_bfloat16(size: int) -> float:
@@ -292,6 +399,8 @@ def invalid_inputs(mode: str) -> None:
             q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
             cu_seqlens=torch.tensor([0, 12]), cp_group=group, cp_mode=mode,
         )  # fmt: skip
+    with pytest.raises(ValueError, match=r"strictly increasing positions in \[0, 6\)"):  # local, not global
+        branch_attention(q[:, :, :1], k, v, cp_group=group, cp_mode=mode, query_index=torch.tensor([6]))
     with pytest.raises(ValueError, match=r"Hq=3 must be a multiple"):
         k2 = torch.randn(1, 2, 6, 4)
         branch_attention(torch.randn(1, 3, 6, 4), k2, k2, cp_group=group, cp_mode=mode)
