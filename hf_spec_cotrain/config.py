@@ -320,12 +320,6 @@ class SpecCoTrainConfig(GRPOConfig):
                 f"`drafter`='eagle3' with `pipeline_parallel_size`={self.pipeline_parallel_size}, or "
                 "`pipeline_parallel_size`=1."
             )
-        if self.context_parallel_size > 1 and not family.supports_context_parallel:
-            raise ValueError(
-                f"`drafter`={self.drafter!r} does not train under context parallelism yet (its block attention through "
-                f"the zigzag ring is not built): use `drafter`='eagle3' with `context_parallel_size`="
-                f"{self.context_parallel_size}, or `context_parallel_size`=1."
-            )
         check_int(self.ttt_steps, "ttt_steps")
         if self.max_speculative_tokens is None:
             self.max_speculative_tokens = family.trained_tokens_per_round(self)

@@ -7,13 +7,14 @@ section 5), and the block-draft attention built on it (DFlash's anchor blocks).
 """
 
 from .api import branch_attention
-from .block_draft import block_draft_attention
+from .block_draft import anchor_query_positions, block_draft_attention
 from .blockwise import BLOCK_SIZE
 from .reference import block_draft_attention_reference, branch_attention_reference
 
 
 __all__ = [
     "BLOCK_SIZE",
+    "anchor_query_positions",
     "block_draft_attention",
     "block_draft_attention_reference",
     "branch_attention",

@@ -4,6 +4,7 @@ of more than one rank, one of the zigzag strategies of `ring.py`."""
 import torch
 import torch.distributed as dist
 
+from ..parallel.comm import is_context_parallel
 from .blockwise import BLOCK_SIZE, blockwise_branch_attention_func
 from .ring import CONTEXT_PARALLEL_FUNCS
 
@@ -62,7 +63,7 @@ def branch_attention(
     """
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+    if is_context_parallel(cp_group):
         return CONTEXT_PARALLEL_FUNCS[cp_mode](
             q,
             k,

@@ -127,8 +127,10 @@ def check_block_draft_inputs(
     *,
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
+    length: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Validate the inputs of `block_draft_attention`; return the anchor mask (all True when None) and the scale.
+    ``length``: the whole sequence's (default: the context's; W times it under context parallelism).
 
     Kept anchors must be distinct positions of their row with some context before them in their document: an
     anchor at a document's first position would attend to its block alone, which no drafting round ever does.
@@ -146,7 +148,8 @@ def check_block_draft_inputs(
         )
     if context_v.shape != context_k.shape:
         raise ValueError(f"context_v must have the shape of context_k {_shape(context_k)}, got {_shape(context_v)}.")
-    num_kv_heads, length = context_k.shape[1:3]
+    num_kv_heads = context_k.shape[1]
+    length = context_k.shape[2] if length is None else length
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(
             f"The number of query heads Hq={num_q_heads} must be a multiple of the number of key/value heads "

@@ -24,6 +24,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 from transformers import DynamicCache, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
@@ -164,8 +165,6 @@ class DraftModel(PreTrainedModel):
 
     drafter_name: ClassVar[str]
     vllm_method: ClassVar[str]
-    supports_context_parallel: ClassVar[bool] = True
-    """Whether `training_loss` takes context-parallel shards; a family without it is refused at build under CP."""
     supports_pipeline_parallel: ClassVar[bool] = True
     """Whether it trains on the last stage from the taps alone; a family that needs more of the policy there (DFlash:
     the embedding of its mask token, which the first stage holds) is refused at build under pipeline parallelism."""
@@ -400,9 +399,17 @@ class DraftModel(PreTrainedModel):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Target token embeddings, detached, in the draft's dtype: the draft never trains the policy's embedding."""
+        """Target token embeddings, detached, in the draft's dtype: the draft never trains the policy's embedding.
+
+        Under FSDP2 the policy's embedding is sharded by rows: each rank looks up the ids it holds and one all-reduce
+        of the ``[..., H]`` result completes them (every rank of its mesh calls alike), never the whole table."""
         weight = self.target_embedding.weight.detach()
-        return F.embedding(input_ids.to(weight.device), weight).to(self.dtype)
+        input_ids = input_ids.to(weight.device)
+        if isinstance(weight, DTensor):
+            mesh = weight.device_mesh
+            input_ids = DTensor.from_local(input_ids, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return F.embedding(input_ids, weight).full_tensor().to(self.dtype)
+        return F.embedding(input_ids, weight).to(self.dtype)
 
     # ------------------------------------------------------------------ training
 

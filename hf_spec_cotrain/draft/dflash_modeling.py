@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from ..attention import block_draft_attention
+from ..attention import anchor_query_positions, block_draft_attention
 from ..attention.masks import positions_in_document
 from ..validation import check_int
 from .base import DraftLossOutput, DraftModel, DraftTrainingBatch, config_field
@@ -122,7 +122,6 @@ class DFlashDraftModel(DraftModel):
 
     config_class = DFlashDraftConfig
     config: DFlashDraftConfig
-    supports_context_parallel = False  # the block attention through the ring is issue #36
     supports_pipeline_parallel = False  # the mask token's embedding row is on the first stage, not sent with the taps
     drafter_name = "dflash"
     vllm_method = "dflash"
@@ -340,9 +339,10 @@ class DFlashDraftModel(DraftModel):
             hidden_states = layer(hidden_states, position_embeddings, attend)
         return hidden_states
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary from the pre-norm output."""
-        return F.linear(self.norm(hidden_states), self.output_weight)
+    def compute_logits(self, hidden_states: torch.Tensor, output_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the draft vocabulary from the pre-norm output; ``output_weight``: `output_weight` read once by
+        a caller that computes logits many times (gathering an FSDP2-sharded head is a collective)."""
+        return F.linear(self.norm(hidden_states), self.output_weight if output_weight is None else output_weight)
 
     def block_logits(
         self,
@@ -354,13 +354,16 @@ class DFlashDraftModel(DraftModel):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         block_size: int | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
         """The pre-norm block outputs ``[B, N, S, H]`` of N anchors per row over whole sequences, in one forward.
 
         ``aux_hidden_states`` ``[B, L, n * target_hidden]`` are the taps of every position; ``anchors`` ``[B, N]``
         the anchor positions (`block_draft_attention`: context before each one, in its document); ``anchor_embeds``
         ``[B, N, H]`` the anchors' token embeddings; ``position_ids`` ``[B, L]`` the RoPE positions (default: the
-        offset in the document); a block sits at its anchor's position onwards.
+        offset in the document); a block sits at its anchor's position onwards. Under context parallelism
+        (``cp_group``) the taps and positions are this rank's zigzag shard and the anchors those whose ``anchor - 1``
+        it holds (`block_draft_attention`).
         """
         block_size = self.config.block_size if block_size is None else block_size
         batch, length = aux_hidden_states.shape[:2]
@@ -370,13 +373,20 @@ class DFlashDraftModel(DraftModel):
         context = self.context_states(aux_hidden_states)
         context_kv = self.context_keys_values(context, position_ids)
         offsets = torch.arange(block_size, device=anchors.device)
-        anchor_positions = position_ids.gather(1, anchors.clamp(0, length - 1))
+        query, _ = anchor_query_positions(anchors, local_length=length, cu_seqlens=cu_seqlens, cp_group=cp_group)
+        anchor_positions = position_ids.gather(1, query.clamp(0, length - 1)) + 1
         block_positions = (anchor_positions[..., None] + offsets).flatten(1)  # [B, N * S]
 
         def attend(layer_index, q, k, v):
             blocks = [x.unflatten(2, (num_anchors, block_size)) for x in (q, k, v)]
             out = block_draft_attention(
-                blocks[0], *context_kv[layer_index], *blocks[1:], anchors, anchor_mask, cu_seqlens=cu_seqlens
+                blocks[0],
+                *context_kv[layer_index],
+                *blocks[1:],
+                anchors,
+                anchor_mask,
+                cu_seqlens=cu_seqlens,
+                cp_group=cp_group,
             )
             return out.flatten(2, 3)
 

@@ -7,14 +7,19 @@ distribution of the token at ``a + i`` with weight ``exp(-(i - 1) / gamma)``.
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from ..attention import anchor_query_positions
 from ..attention.masks import document_ids, positions_in_document
 from ..losses import head_soft_cross_entropy
+from ..parallel.comm import all_gather_stacked, is_context_parallel
+from ..parallel.halo import ZigzagHalo
+from ..parallel.zigzag import zigzag_unshard
 from ..validation import check_int
 from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
 from .eagle3_ttt import left_align_rows
@@ -125,13 +130,15 @@ def dflash_loss(
     Block position ``i`` of the anchor at ``a`` predicts ``x_{a+i}`` against the policy's distribution at ``a + i -
     1`` (``teacher_logits``); it counts where ``a + i`` lies in the anchor's document and ``loss_mask`` holds there.
     Each position's mean is over its counted pairs (zero when none), as the EAGLE-3 objective normalises.
+
+    Under context parallelism (``cp_group`` of W > 1 ranks) every ``[1, L/W, ...]`` input is this rank's zigzag shard
+    of packed documents (``cu_seqlens`` global): the anchors are sampled over the whole sequence alike on every rank
+    (the same ``generator`` state; the loss mask is gathered, one bool per position), each rank runs the blocks whose
+    ``anchor - 1`` it holds (the context through the ring, the anchor's embedding and teacher rows from its
+    neighbours, `ZigzagHalo`), and ``loss`` is its share of the single-device loss: SUM the draft's gradients over the
+    group, as for `ttt_loss`. The metrics are global.
     """
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        raise ValueError(
-            f"The DFlash objective does not run under context parallelism (a cp_group of {dist.get_world_size(cp_group)} "
-            "ranks; issue #36): train DFlash with context_parallel_size=1, or use drafter='eagle3' with context "
-            "parallelism."
-        )
+    context_parallel = is_context_parallel(cp_group)
     aux_hidden_states, input_embeds = batch.aux_hidden_states, batch.input_embeds
     teacher_logits, loss_mask = batch.teacher_logits, batch.loss_mask.to(torch.bool)
     rows, length = input_embeds.shape[:2]
@@ -148,6 +155,12 @@ def dflash_loss(
             f"{draft.config.draft_vocab_size} (the draft's `teacher_logits` restricts the policy's)."
         )
     cu_seqlens = batch.cu_seqlens
+    if context_parallel and (batch.attention_mask is not None or rows != 1):
+        raise ValueError(
+            "Under context parallelism the DFlash objective takes packed documents (batch 1, `cu_seqlens`), not padded "
+            "rows: pack them, pad them with `hf_spec_cotrain.parallel.pad_documents` and shard them with "
+            "`zigzag_shard` first."
+        )
     if batch.attention_mask is not None:
         if cu_seqlens is not None:
             raise ValueError("Pass `attention_mask` (padded rows) or `cu_seqlens` (packed documents), not both.")
@@ -160,37 +173,81 @@ def dflash_loss(
         raise ValueError(f"Packed documents (`cu_seqlens`) need batch size 1; got {rows}.")
 
     block_size = draft.config.block_size
+    device = input_embeds.device
+    if context_parallel:
+        halo = ZigzagHalo(
+            group=cp_group, local_length=length, halo=block_size - 1, cu_seqlens=cu_seqlens, device=device
+        )
+        whole_mask = zigzag_unshard(list(all_gather_stacked(loss_mask, cp_group)), dim=1, cu_seqlens=cu_seqlens)
+    else:
+        whole_mask = loss_mask
+    whole_length = whole_mask.shape[1]
     anchors, anchor_mask = sample_anchors(
-        loss_mask, options.anchors_per_row, cu_seqlens=cu_seqlens, generator=generator
+        whole_mask, options.anchors_per_row, cu_seqlens=cu_seqlens, generator=generator
     )
-    _, offset, end = document_bounds(cu_seqlens, rows, length, input_embeds.device)
-    anchor_embeds = input_embeds.gather(1, anchors[..., None].expand(-1, -1, input_embeds.shape[-1]))
+    _, offset, end = document_bounds(cu_seqlens, rows, whole_length, device)
+    anchor_end = end.expand(rows, whole_length).gather(1, anchors)
+    # Where block position i's prediction (of the token at anchor + i) counts, over every anchor of the sequence.
+    counted = [
+        anchor_mask & (anchors + i < anchor_end) & whole_mask.gather(1, (anchors + i).clamp(max=whole_length - 1))
+        for i in range(1, block_size)
+    ]
+    if context_parallel:
+        total_counts = torch.stack([mask.sum() for mask in counted])
+        query, held = anchor_query_positions(anchors, local_length=length, cu_seqlens=cu_seqlens, cp_group=cp_group)
+        mine = (anchor_mask & held)[0].nonzero().flatten()  # this rank's anchors, still ascending
+        anchors, query, counted = anchors[:, mine], query[:, mine], [mask[:, mine] for mask in counted]
+        anchor_mask = torch.ones_like(anchors, dtype=torch.bool)
+        anchor_embeds = halo.shift(halo.extend(input_embeds), 1, query[0])
+        teacher_source = halo.extend(teacher_logits)
+
+        def teacher_at(position):  # the policy's distribution of the token at anchor + position
+            return halo.shift(teacher_source, position, query[0])
+
+        position_ids = halo.position_ids[None]
+    else:
+        total_counts = None
+        anchor_embeds = input_embeds.gather(1, anchors[..., None].expand(-1, -1, input_embeds.shape[-1]))
+
+        def teacher_at(position):
+            column = (anchors + position - 1).clamp(max=length - 1)
+            return teacher_logits.gather(1, column[..., None].expand(-1, -1, teacher_logits.shape[-1]))
+
+        position_ids = offset.expand(rows, length)
     forward_args = (aux_hidden_states, anchor_embeds, anchors)
-    forward_kwargs = dict(anchor_mask=anchor_mask, position_ids=offset.expand(rows, length), cu_seqlens=cu_seqlens)
+    forward_kwargs = dict(anchor_mask=anchor_mask, position_ids=position_ids, cu_seqlens=cu_seqlens, cp_group=cp_group)
     if gradient_checkpointing and torch.is_grad_enabled():
         hidden = checkpoint(draft.block_logits, *forward_args, use_reentrant=False, **forward_kwargs)
     else:
         hidden = draft.block_logits(*forward_args, **forward_kwargs)
 
     weights = block_position_weights(block_size, options.loss_decay_gamma, device=hidden.device)
-    anchor_end = end.expand(rows, length).gather(1, anchors)
+    # Read once, the same number of times on every rank: the logits are computed per chunk of counted positions,
+    # which differ between ranks, and the target's head may be FSDP2-sharded (gathering it is a collective).
+    head = partial(draft.compute_logits, output_weight=draft.output_weight)
     total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     losses, accuracies, counts = [], [], []
     for position in range(1, block_size):
-        predicted = anchors + position  # the column of the token this block position predicts
-        inside = anchor_mask & (predicted < anchor_end)
-        column = predicted.clamp(max=length - 1)
-        counted = inside & loss_mask.gather(1, column)
-        teacher = teacher_logits.gather(1, (column - 1)[..., None].expand(-1, -1, teacher_logits.shape[-1]))
-        loss, accuracy, count = head_soft_cross_entropy(draft.compute_logits, hidden[:, :, position], teacher, counted)
+        loss, accuracy, count = head_soft_cross_entropy(
+            head,
+            hidden[:, :, position],
+            teacher_at(position),
+            counted[position - 1],
+            total_count=None if total_counts is None else total_counts[position - 1],
+        )
         total = total + weights[position - 1].to(total.dtype) * loss
         losses.append(loss.detach())
         accuracies.append(accuracy)
         counts.append(count)
+    losses, accuracies, counts = map(torch.stack, (losses, accuracies, counts))
+    if context_parallel:  # every rank holds its share of the metrics: sum them
+        shares = torch.stack([losses, accuracies])
+        dist.all_reduce(shares, group=cp_group)
+        losses, accuracies, counts = shares[0], shares[1], total_counts
     return DraftLossOutput(
         loss=total,
-        step_losses=torch.stack(losses),
-        step_accuracies=torch.stack(accuracies),
-        step_counts=torch.stack(counts),
+        step_losses=losses,
+        step_accuracies=accuracies,
+        step_counts=counts,
         step_weights=weights.to(total.dtype),
     )

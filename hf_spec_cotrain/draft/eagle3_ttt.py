@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention import branch_attention
 from ..attention.masks import document_ids, positions_in_document
 from ..losses import head_soft_cross_entropy
+from ..parallel.comm import is_context_parallel
 from ..parallel.halo import ZigzagHalo
 from ..validation import check_int, contiguous_row_spans
 from .base import DraftLossOutput, DraftModel
@@ -113,7 +114,7 @@ def ttt_loss(
             f"{draft.config.draft_vocab_size} (restrict the teacher with the draft's `draft_to_target_ids`)."
         )
 
-    context_parallel = cp_group is not None and dist.get_world_size(cp_group) > 1
+    context_parallel = is_context_parallel(cp_group)
     if context_parallel and attention_mask is not None:
         raise ValueError(
             "`attention_mask` is not supported with `cp_group`: pack the rows as documents (`cu_seqlens`), pad them "

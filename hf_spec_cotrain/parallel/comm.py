@@ -97,6 +97,11 @@ def exchange(
             request.wait()
 
 
+def is_context_parallel(group: dist.ProcessGroup | None) -> bool:
+    """Whether `group` spreads the sequence over more than one rank."""
+    return group is not None and dist.get_world_size(group) > 1
+
+
 def all_gather_stacked(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """`[W, *tensor.shape]`: every rank's `tensor`, in rank order."""
     world_size = dist.get_world_size(group)

@@ -119,7 +119,7 @@ class ZigzagHalo:
         self._local_indices = local_indices
         self._doc_ends = bounds[1:][documents]
         self._device = device
-        self._gathers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def extend(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x, halo)`: the shard `[B, L/W, ...]` and the `[B, H, ...]` values fetched for it (one exchange).
@@ -132,29 +132,34 @@ class ZigzagHalo:
             )
         return x, _HaloExchange.apply(x, self)
 
-    def shift(self, extended: tuple[torch.Tensor, torch.Tensor], shift: int) -> torch.Tensor:
-        """`out[:, i] = x[:, i + shift]` within the document, zero (False) outside, from an `extend`ed shard.
+    def shift(
+        self, extended: tuple[torch.Tensor, torch.Tensor], shift: int, index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`out[:, i] = x[:, i + shift]` within the document, zero (False) outside, from an `extend`ed shard; only at
+        the local positions `index` (int64 `[n]`) when given, e.g. DFlash's anchors.
 
-        One copy of the shard, no concatenation with the halo (teacher logits are large).
+        One copy of what is read, no concatenation with the halo (teacher logits are large).
         """
         check_int(shift, "shift", minimum=0, below=self.halo + 1, hint=f" (this halo has {self.halo} positions)")
-        if shift not in self._gathers:
-            self._gathers[shift] = self._gather_plan(shift)
-        local_source, halo_targets, halo_source, outside = self._gathers[shift]
+        if shift not in self._sources:
+            self._sources[shift] = self._source_plan(shift)
+        source, outside = self._sources[shift]
+        if index is not None:
+            source, outside = source[index], outside[index]
         x, halo = extended
-        shifted = x.index_select(1, local_source)
-        if halo_targets.numel():
-            shifted.index_copy_(1, halo_targets, halo.index_select(1, halo_source))
+        from_halo = source >= self.local_length
+        shifted = x.index_select(1, torch.where(from_halo, 0, source))
+        halo_targets = torch.nonzero(from_halo).flatten()
+        # Even when nothing is read from the halo: its exchange must join every rank's backward.
+        shifted.index_copy_(1, halo_targets, halo.index_select(1, source[halo_targets] - self.local_length))
         return shifted.masked_fill_(outside.view(1, -1, *([1] * (x.dim() - 2))), 0)
 
-    def _gather_plan(self, shift: int) -> tuple[torch.Tensor, ...]:
-        """Where each shifted value comes from: a local index, or (for `halo_targets`) a halo slot."""
+    def _source_plan(self, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each shifted value comes from (a local index, or the local length plus a halo slot) and whether it
+        leaves the document."""
         target = self._local_indices + shift
         inside = target < self._doc_ends
         slot = torch.searchsorted(self._sorted_indices, target).clamp(max=self._sorted_indices.numel() - 1)
         assert bool((self._sorted_indices[slot] == target)[inside].all()), "the halo plan misses a shifted position"
         source = torch.where(inside, self._order[slot], 0)
-        from_halo = source >= self.local_length
-        halo_targets = torch.nonzero(from_halo).flatten()
-        plan = (torch.where(from_halo, 0, source), halo_targets, source[halo_targets] - self.local_length, ~inside)
-        return tuple(tensor.to(self._device) for tensor in plan)
+        return source.to(self._device), (~inside).to(self._device)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..validation import contiguous_row_spans
+from .comm import is_context_parallel
 from .zigzag import pad_documents, zigzag_position_ids, zigzag_shard
 
 
@@ -181,7 +182,7 @@ def completion_values(
     valid = rows.completion_index >= 0
     flat = values.new_zeros(rows.batch_size * rows.completion_length)
     flat = flat.index_put((rows.completion_index[valid],), values[0, valid])
-    if group is not None and dist.get_world_size(group) > 1:
+    if is_context_parallel(group):
         flat = _SumDisjointShards.apply(flat, group)
     return flat.view(rows.batch_size, rows.completion_length)
 

@@ -5,7 +5,10 @@ parallelism or in one plain process on the same rows ("single"); records what `c
 Modes: "cp" (2 processes, `context_parallel_size=2`, DDP) or "single", on 8 rows; then optionally "-kl": `beta=0.1` (a
 reference model) and `num_iterations=2` (the second step reuses the first step's rollouts, weighted by the old
 policy's log-probs), so that both scoring passes run; or "-fsdp": 16 rows of 4 prompts, and "cp-fsdp" runs 4
-processes under accelerate's `ParallelismConfig(dp_shard_size=2, cp_size=2)`: FSDP2 x CP on a 2-D mesh.
+processes under accelerate's `ParallelismConfig(dp_shard_size=2, cp_size=2)`: FSDP2 x CP on a 2-D mesh; "-dflash"
+(alone or as "-fsdp+dflash") co-trains a DFlash draft instead of EAGLE-3's, anchored at every candidate position (so
+that one process's padded rows and the group's packed documents train the same blocks; which anchors a sample picks
+under CP is checked against one device in tests/distributed/test_dflash_cp.py).
 """
 
 from pathlib import Path
@@ -36,17 +39,25 @@ def record_forward_shapes(model) -> list[tuple[bool, tuple[int, ...]]]:
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     """Train; return this rank's record."""
     mode, _, variant = mode.partition("-")
+    variants = set(variant.split("+"))
     options = {"per_device_train_batch_size": 8}
-    if variant == "kl":  # a smaller step keeps the second step's KL moderate (its exp amplifies float32 rounding)
+    if "dflash" in variants:
+        options |= {
+            "drafter": "dflash",
+            "dflash_block_size": 4,
+            "dflash_anchors_per_row": 64,
+            "dflash_mask_token_id": 3,
+        }
+    if "kl" in variants:  # a smaller step keeps the second step's KL moderate (its exp amplifies float32 rounding)
         options |= {"beta": 0.1, "num_iterations": 2, "learning_rate": 0.005}
     prompts = PROMPTS
-    if variant == "fsdp":  # a group of 4 generations per rank, as in the 2-process runs
+    if "fsdp" in variants:  # a group of 4 generations per rank, as in the 2-process runs
         prompts = [*PROMPTS, "abc", "xyz!"]
         options["per_device_train_batch_size"] = 16
     if mode == "cp":
-        options["per_device_train_batch_size"] //= 4 if variant == "fsdp" else 2
+        options["per_device_train_batch_size"] //= 4 if "fsdp" in variants else 2
         options["context_parallel_size"] = 2
-    if mode == "cp" and variant == "fsdp":  # the sizes as accelerate's config: the trainer takes cp_size from it
+    if mode == "cp" and "fsdp" in variants:  # the sizes as accelerate's config: the trainer takes cp_size from it
         options |= {"context_parallel_size": 1, "parallelism_config": ParallelismConfig(dp_shard_size=2, cp_size=2)}
 
     def run_config(**more):
@@ -60,7 +71,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
 
     config = run_config()
     checkpoints_refused = None
-    if mode == "cp" and variant == "fsdp":  # the trainer shards the policy itself here: checkpoints are refused
+    if mode == "cp" and "fsdp" in variants:  # the trainer shards the policy itself here: checkpoints are refused
         try:
             equality_trainer(FixedRolloutTrainer, policy_dir, run_config(save_strategy="steps"), prompts=prompts)
         except ValueError as error:
@@ -70,7 +81,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     reference_shapes = [] if trainer.ref_model is None else record_forward_shapes(trainer.unwrapped(trainer.ref_model))
     record = record_training(trainer)
     saved = None
-    if variant == "fsdp":  # the final save gathers the sharded policy whole (on rank 0)
+    if "fsdp" in variants:  # the final save gathers the sharded policy whole (on rank 0)
         trainer.save_model(f"{out_dir}/final")
         if trainer.accelerator.is_main_process:
             saved = {

@@ -36,6 +36,20 @@ def test_context_parallel_steps_equal_the_single_process_steps(tmp_path, family,
     assert_equal_runs(cp, single, ["loss", "entropy"], loosen=loosen)
 
 
+def test_a_dflash_draft_under_context_parallelism_trains_as_in_one_process(tmp_path, tiny_policy_dir):
+    """DFlash's blocks through the ring: its anchors' blocks run on the rank holding `anchor - 1`, the context
+    passes around the ring, and both models' two steps equal one process's.
+
+    The draft's first-step gradients agree to 6e-7 of their largest entry (measured with `max_steps=1`), but AdamW's
+    first step moves every entry by the learning rate whatever its gradient's size, so rounding that flips the sign
+    of a near-zero entry moves it by twice that: the second step's attention gradients then differ by up to 1.8e-4
+    of their largest entry (2026-12-06). Exactness itself is checked in float64 in test_dflash_cp.py."""
+    cp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "cp", variant="dflash")
+
+    assert_equal_runs(cp, single, ["loss", "entropy"], loosen=25.0)
+    assert single["step_logs"][0]["draft/loss_step_2"] > 0  # DFlash's block of 4: three positions learn
+
+
 def test_scoring_passes_run_sharded_and_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
     """`beta > 0` and `num_iterations > 1`: the reference model's and the old policy's log-prob passes run on zigzag
     shards of packed rows (batch 1, never a whole row) and give the single process's KL, loss and updates."""
@@ -71,6 +85,16 @@ def test_fsdp2_and_context_parallel_on_a_2d_mesh_equal_the_single_process_steps(
     assert saved.keys() >= fsdp[0]["policy_params"].keys() - {"lm_head.weight"}
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, fsdp[0]["policy_params"][name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_fsdp2_and_context_parallel_with_a_dflash_draft_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """The 2-D mesh of FSDP2 x CP (4 processes) with DFlash's blocks through the ring."""
+    fsdp, single = run_parallel_and_single(
+        SCRIPT, run, tiny_policy_dir, tmp_path, "cp", variant="fsdp+dflash", nproc=4
+    )
+
+    assert_equal_runs(fsdp, single, ["loss", "entropy"], loosen=25.0)  # as the 2-process DFlash run's
 
 
 def assert_equal_runs(cp: list[dict], single: dict, logged: list[str], *, loosen: float) -> None:

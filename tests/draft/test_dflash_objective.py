@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from dflash_test_utils import per_anchor_block
 
@@ -223,14 +222,6 @@ def test_options_defaults_fields_and_refusals():
         DFlashTrainingOptions(loss_decay_gamma=0)
     with pytest.raises(ValueError, match="dflash_anchors_per_row"):
         DFlashTrainingOptions(anchors_per_row=0)
-
-
-def test_context_parallelism_is_refused(monkeypatch):
-    _, draft = tiny_draft()
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    batch = DraftTrainingBatch(*(torch.zeros(1, 4, n) for n in (256, 128, 100)), torch.ones(1, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="context parallelism .*issue #36"):
-        draft.training_loss(batch, DFlashTrainingOptions(), cp_group=object())
 
 
 def test_a_tiny_draft_learns_its_targets_greedy_continuations():

@@ -92,11 +92,6 @@ def test_more_tokens_per_round_than_the_block_is_refused_when_the_config_is_buil
     assert config.max_speculative_tokens == 5
 
 
-def test_dflash_under_context_parallelism_is_refused_when_the_config_is_built(tmp_path):
-    with pytest.raises(ValueError, match="`drafter`='dflash' does not train under context parallelism"):
-        SpecCoTrainConfig(**tiny_grpo_kwargs(tmp_path), drafter="dflash", context_parallel_size=2)
-
-
 def test_dflash_under_pipeline_parallelism_is_refused_when_the_config_is_built(tmp_path):
     """The last stage would fail at the first step: the mask token's embedding row is on the first stage."""
     with pytest.raises(ValueError, match="`drafter`='dflash' does not train under pipeline parallelism.*'eagle3'"):
