@@ -1,9 +1,13 @@
-"""Per-rank peak memory and time of context-parallel TTT attention: ring vs all-gather vs one device.
+"""Per-rank peak memory and time of a draft's context-parallel attention: ring vs all-gather vs one device.
 
-What runs: the attention of a K = 3 training-time test on one document of length L, forward+backward, float32
-on the CPU: step 0 `branch_attention(q0, k, v)` (trunk only), then steps 1 and 2 with the same trunk plus
-S = 1 and S = 2 branch keys, exactly the calls `ttt_loss` makes per draft layer. Every rank holds its zigzag
-shard of L / W positions. Configurations: one device (`branch_attention` without a group, W = 1), and the
+What runs, forward+backward, float32 on the CPU, on one document of length L of which every rank holds its zigzag
+shard of L / W positions. EAGLE-3 (`--drafter eagle3`): the attention of a K = 3 training-time test: step 0
+`branch_attention(q0, k, v)` (trunk only), then steps 1 and 2 with the same trunk plus S = 1 and S = 2 branch keys,
+exactly the calls `ttt_loss` makes per draft layer. DFlash (`--drafter dflash`): one draft layer's
+`block_draft_attention` of `--anchors` blocks of `--dflash-block` positions spread evenly over the document, each
+over the context before its anchor and its own block; under CP each rank runs the anchors whose `anchor - 1` it
+holds, as `dflash_loss` does. `--draft-layers` runs that many layers' attention (each with its own K/V, every
+forward before the backward, as a draft of that depth does): what a layer keeps for its backward then adds up. Configurations: one device (`branch_attention` without a group, W = 1), and the
 ring and the all-gather baseline (`cp_mode="allgather"`) at W = 2 and 4 on gloo, each configuration in its own
 processes (spawned once for all lengths, after a small warm-up).
 
@@ -18,6 +22,9 @@ waiting for a core: compare CPU seconds for the work per rank.
 
     python scripts/bench_cp.py     # L = 4K..32K: 28 minutes on 2 loaded cores (~10 estimated on idle ones)
     python scripts/bench_cp.py --lengths 4096 8192 --repeats 2 --configs single1 ring4
+    python scripts/bench_cp.py --drafter dflash --lengths 8192 16384 32768 --repeats 3
+    python scripts/bench_cp.py --drafter dflash --num-q-heads 8 --num-kv-heads 8 --head-dim 64 --anchors 64 \
+        --draft-layers 2 --lengths 8192 16384 32768 --repeats 2
 """
 
 import argparse
@@ -44,6 +51,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=None, help="block size (default: BLOCK_SIZE)")
     parser.add_argument("--repeats", type=int, default=1, help="measured forward+backward runs per length")
+    parser.add_argument("--drafter", choices=("eagle3", "dflash"), default="eagle3", help="whose attention runs")
+    parser.add_argument("--draft-layers", type=int, default=1, help="layers whose attention runs, each its own K/V")
+    parser.add_argument("--anchors", type=int, default=256, help="DFlash: blocks trained over the document")
+    parser.add_argument("--dflash-block", type=int, default=8, help="DFlash: positions per block (its default 8)")
     return parser
 
 
@@ -73,7 +84,7 @@ def run_rank(rank: int, world_size: int, mode: str, args: argparse.Namespace, in
     import torch
     import torch.distributed as dist
 
-    from hf_spec_cotrain.attention import BLOCK_SIZE, branch_attention
+    from hf_spec_cotrain.attention import BLOCK_SIZE, anchor_query_positions, block_draft_attention, branch_attention
 
     torch.set_num_threads(1)
     group = None
@@ -84,36 +95,73 @@ def run_rank(rank: int, world_size: int, mode: str, args: argparse.Namespace, in
     block_size = args.block_size or BLOCK_SIZE
     cp_mode = "ring" if mode == "single" else mode
 
-    def ttt_attention(local_length: int) -> tuple[float, float, int]:
-        """One forward+backward of the three calls on fresh shards; wall s, CPU s, peak RSS increase."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).requires_grad_()
 
-        def randn(num_heads):
-            return torch.randn(1, num_heads, local_length, args.head_dim, generator=generator).requires_grad_()
-
-        queries = [randn(args.num_q_heads) for _ in range(3)]
-        k, v, k1, v1, k2, v2 = (randn(args.num_kv_heads) for _ in range(6))
-        upstream = [torch.randn(query.shape, generator=generator) for query in queries]
-
-        def attention(*tensors):
-            return branch_attention(*tensors, cp_group=group, cp_mode=cp_mode, block_size=block_size)
-
+    def measured(run, inputs: list, upstream: list) -> tuple[float, float, int]:
+        """One forward+backward of `run(*inputs)` (a list of outputs); wall s, CPU s, peak RSS increase."""
         if group is not None:
             dist.barrier()
         _reset_peak()
         baseline = _memory_status()["VmRSS"]
         wall, cpu = time.perf_counter(), time.process_time()
-        outputs = [
-            attention(queries[0], k, v),
-            attention(queries[1], k, v, torch.stack([k1]), torch.stack([v1])),
-            attention(queries[2], k, v, torch.stack([k1, k2]), torch.stack([v1, v2])),
-        ]
-        torch.autograd.backward(outputs, upstream)
+        torch.autograd.backward(run(*inputs), upstream)
         return time.perf_counter() - wall, time.process_time() - cpu, _memory_status()["VmHWM"] - baseline
 
+    def ttt_attention(local_length: int) -> tuple[float, float, int]:
+        """The three calls of a K = 3 TTT per layer on fresh shards."""
+        layers = [
+            [randn(1, args.num_q_heads, local_length, args.head_dim) for _ in range(3)]
+            + [randn(1, args.num_kv_heads, local_length, args.head_dim) for _ in range(6)]
+            for _ in range(args.draft_layers)
+        ]
+
+        def attention(*tensors):
+            return branch_attention(*tensors, cp_group=group, cp_mode=cp_mode, block_size=block_size)
+
+        def run(*inputs):
+            outputs = []
+            for q0, q1, q2, k, v, k1, v1, k2, v2 in layers:
+                outputs += [
+                    attention(q0, k, v),
+                    attention(q1, k, v, torch.stack([k1]), torch.stack([v1])),
+                    attention(q2, k, v, torch.stack([k1, k2]), torch.stack([v1, v2])),
+                ]
+            return outputs
+
+        inputs = [tensor for layer in layers for tensor in layer]
+        upstream = [torch.randn(layer[i].shape, generator=generator) for layer in layers for i in range(3)]
+        return measured(run, inputs, upstream)
+
+    def dflash_attention(local_length: int) -> tuple[float, float, int]:
+        """Each layer's block attention of this rank's anchors on fresh shards."""
+        length = local_length * world_size
+        spread = torch.linspace(1, length - 1, min(args.anchors, length - 1)).round().long().unique()[None]
+        _, held = anchor_query_positions(spread, local_length=local_length, cp_group=group)
+        anchors = spread[held][None]
+        blocks = (anchors.shape[1], args.dflash_block, args.head_dim)
+        layers = [
+            [
+                randn(1, args.num_q_heads, *blocks),
+                randn(1, args.num_kv_heads, local_length, args.head_dim),
+                randn(1, args.num_kv_heads, local_length, args.head_dim),
+                randn(1, args.num_kv_heads, *blocks),
+                randn(1, args.num_kv_heads, *blocks),
+            ]
+            for _ in range(args.draft_layers)
+        ]
+
+        def run(*inputs):
+            return [block_draft_attention(*layer, anchors, cp_group=group, cp_mode=cp_mode) for layer in layers]
+
+        inputs = [tensor for layer in layers for tensor in layer]
+        return measured(run, inputs, [torch.randn(layer[0].shape, generator=generator) for layer in layers])
+
+    attention = dflash_attention if args.drafter == "dflash" else ttt_attention
     # A small warm-up first: the first call of every kernel maps library code, which would count as memory.
-    ttt_attention(2 * block_size)
+    attention(2 * block_size)
     for length in args.lengths:
-        results.put((rank, length, [ttt_attention(length // world_size) for _ in range(args.repeats)]))
+        results.put((rank, length, [attention(length // world_size) for _ in range(args.repeats)]))
     if group is not None:
         dist.destroy_process_group()
 
@@ -156,8 +204,13 @@ def main() -> None:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ["OMP_NUM_THREADS"] = "1"
     configs = [config for config in CONFIGS if config in args.configs]
+    workload = (
+        f"DFlash block attention ({args.anchors} anchors, blocks of {args.dflash_block})"
+        if args.drafter == "dflash"
+        else "TTT attention (K=3: S=0,1,2)"
+    ) + f" of {args.draft_layers} layer(s)"
     print(
-        f"TTT attention (K=3: S=0,1,2) fwd+bwd, float32 CPU, one document, Hq={args.num_q_heads}, "
+        f"{workload} fwd+bwd, float32 CPU, one document, Hq={args.num_q_heads}, "
         f"Hkv={args.num_kv_heads}, D={args.head_dim}, 1 thread per rank, {os.cpu_count()} cores. "
         "MiB: max over ranks of the peak RSS increase; cpu s / wall s: the busiest rank",
         flush=True,

@@ -3,7 +3,8 @@
 What runs: `SpecCoTrainGRPOTrainer` on a tiny Llama (`--num_layers` layers of 128, GQA 4) (float32, CPU, gloo), each
 rank holding 2 rows of one prompt and a fixed completion of L - prompt tokens (generation is replaced, so that only
 the step's own work is measured), with `beta=0.04`: every step scores the rows with the reference model, runs the
-policy's GRPO forward and backward and the draft's TTT (K = 3), then steps both optimizers. Configurations
+policy's GRPO forward and backward and the draft's TTT (K = 3; with `--drafter dflash` DFlash's objective, blocks
+of 8 at its default 8 anchors per row), then steps both optimizers. Configurations
 (shard, cp): FSDP2 over `shard x cp` ranks (accelerate's `ParallelismConfig(dp_shard_size=shard, cp_size=cp)`; the
 trainer shards the policy and the reference model itself on CPU) or plain data parallelism for shard = 1, and the
 zigzag ring over groups of `cp` ranks. Each configuration and length runs in its own `torchrun`; the first step is a
@@ -24,6 +25,7 @@ Time: wall seconds of the step (the slowest rank) and CPU seconds of the busiest
 
     python scripts/bench_cp_step.py --lengths 1024 2048               # a few minutes on 2 cores
     python scripts/bench_cp_step.py --json /tmp/cp_step.json          # L = 8K, 16K, 32K: hours on 2 cores
+    python scripts/bench_cp_step.py --drafter dflash --configs 1x1 1x2 1x4 --lengths 8192 16384
 """
 
 import argparse
@@ -57,6 +59,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup_length", type=int, default=1024, help="tokens per row of the warm-up step (at most the least L)"
     )
+    parser.add_argument("--drafter", choices=("eagle3", "dflash"), default="eagle3", help="the co-trained draft")
     parser.add_argument("--json", type=Path, help="write the results here (rewritten after every run)")
     parser.add_argument("--worker", nargs=4, metavar=("CONFIG", "LENGTH", "WARMUP", "DIR"), help=argparse.SUPPRESS)
     return parser
@@ -83,7 +86,9 @@ def _sizes(config: str) -> tuple[int, int]:
     return int(shard), int(cp)
 
 
-def worker(config: str, length: int, warmup_length: int, folder: Path, steps: int, num_layers: int) -> None:
+def worker(
+    config: str, length: int, warmup_length: int, folder: Path, steps: int, num_layers: int, drafter: str
+) -> None:
     """One rank of one configuration under torchrun: train 1 + `steps` steps (the first on rows of `warmup_length`
     tokens, the others of `length`), write this rank's measurements."""
     import torch
@@ -133,6 +138,10 @@ def worker(config: str, length: int, warmup_length: int, folder: Path, steps: in
                 }
             )
 
+    taps = [0, num_layers // 2, num_layers - 1]  # the drafters' defaults need deeper policies
+    draft = {"aux_layer_ids": taps}
+    if drafter == "dflash":  # vLLM's numbering: the output of layer i is the input of layer i + 1
+        draft = {"drafter": "dflash", "dflash_target_layer_ids": [i - 1 for i in taps[1:]], "dflash_mask_token_id": 3}
     parallel = {"context_parallel_size": cp}
     if shard > 1:
         parallel = {"parallelism_config": ParallelismConfig(dp_shard_size=shard, cp_size=cp)}
@@ -151,9 +160,9 @@ def worker(config: str, length: int, warmup_length: int, folder: Path, steps: in
         save_draft=False,
         speculative_decoding=False,
         ttt_steps=3,
-        aux_layer_ids=[0, num_layers // 2, num_layers - 1],  # EAGLE-3's defaults need 7 layers
         ttt_gradient_checkpointing=True,
         disable_tqdm=True,
+        **draft,
         **parallel,
     )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -171,7 +180,9 @@ def worker(config: str, length: int, warmup_length: int, folder: Path, steps: in
     (folder / f"rank{rank}.json").write_text(json.dumps(meter.rows[1:]))
 
 
-def measure(config: str, length: int, warmup_length: int, root: Path, steps: int, num_layers: int) -> dict[str, float]:
+def measure(
+    config: str, length: int, warmup_length: int, root: Path, steps: int, num_layers: int, drafter: str
+) -> dict[str, float]:
     """Run one configuration at one length; the maximum over ranks and measured steps of each column."""
     shard, cp = _sizes(config)
     folder = root / f"{config}-{length}"
@@ -184,7 +195,16 @@ def measure(config: str, length: int, warmup_length: int, root: Path, steps: int
         str(steps),
         "--num_layers",
     ]
-    command += [str(num_layers), "--worker", config, str(length), str(warmup_length), str(folder)]
+    command += [
+        str(num_layers),
+        "--drafter",
+        drafter,
+        "--worker",
+        config,
+        str(length),
+        str(warmup_length),
+        str(folder),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
     with (folder / "log.txt").open("w") as log:
         returncode = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -198,7 +218,7 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         config, length, warmup_length, folder = args.worker
-        worker(config, int(length), int(warmup_length), Path(folder), args.steps, args.num_layers)
+        worker(config, int(length), int(warmup_length), Path(folder), args.steps, args.num_layers, args.drafter)
         return
     from hf_spec_cotrain.testing import save_tiny_target
 
@@ -219,11 +239,11 @@ def main() -> None:
         runs.mkdir()
         for n in args.lengths:
             for c in args.configs:
-                results[c, n] = measure(c, n, args.warmup_length, runs, args.steps, args.num_layers)
+                results[c, n] = measure(c, n, args.warmup_length, runs, args.steps, args.num_layers, args.drafter)
                 print(f"{c} at L = {n}: {results[c, n]}", flush=True)
                 if args.json:
                     rows = [{"config": c, "length": n, **row} for (c, n), row in results.items()]
-                    options = {key: getattr(args, key) for key in ("num_layers", "warmup_length", "steps")}
+                    options = {key: getattr(args, key) for key in ("num_layers", "warmup_length", "steps", "drafter")}
                     args.json.write_text(json.dumps({**options, "results": rows}, indent=1))
     print_tables(results, args.lengths, args.configs)
 
