@@ -19,11 +19,11 @@ SIZE = 2
 
 
 def draft_pair(drafter: str, policy):
-    options = {"block_size": 4, "mask_token_id": 3} if drafter == "dflash" else {}
-    return [
-        build_pass_through_draft(policy, seed=1, noise=0.05, drafter=drafter, aux_layer_ids=(0, 1, 2), **options)
-        for _ in range(2)
-    ]
+    if drafter == "dflash":
+        options = {"block_size": 4, "mask_token_id": 3}
+    else:
+        options = {"aux_layer_ids": (0, 1, 2)}
+    return [build_pass_through_draft(policy, seed=1, noise=0.05, drafter=drafter, **options) for _ in range(2)]
 
 
 def generate_with_a_sharded_draft(drafter: str) -> dict:
