@@ -41,14 +41,15 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def shard_draft(draft: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard a draft (a `DraftModel`, replicated alike on every rank) over `mesh` with `fully_shard`, block by
-    block; returns it (changed in place).
+    """Shard a draft (a `DraftModel`, replicated alike on every rank) over `mesh` with `fully_shard`, as one unit;
+    returns it (changed in place).
 
-    Its objective (`training_loss`) gathers the root's parameters as a forward would, each block's in the block's
-    forward, and its backward reduce-scatters (averages) the gradients over the mesh. FSDP2 takes as its root the
-    first module to run a forward; a draft's first may be a block's, called by a proposer inside
-    `gathered_for_generation`, so the root is initialised here, once every block is sharded."""
-    apply_fsdp2(draft, mesh)
+    One unit, not block by block: the objectives call pieces of a block outside its forward (DFlash's context keys and
+    values), which a per-block unit would leave sharded. A draft has one or a few layers, so its objective
+    (`training_loss`, a forward of the root) gathers it whole for the micro-step, what a replica holds all run, and its
+    backward reduce-scatters (averages) the gradients over the mesh. FSDP2 takes as its root the first module to run a
+    forward, so the root is initialised here, before any proposer runs."""
+    fully_shard(draft, mesh=mesh)
     register_fsdp_forward_method(draft, "training_loss")
     draft._get_fsdp_state()._lazy_init()  # torch (2.13) has no public way to fix the root before a forward
     return draft

@@ -47,6 +47,7 @@ def assert_sharded_run_equals_one_process(sharded: list[dict], single: dict, *, 
         )
 
 
+@pytest.mark.slow  # 4 processes and one: 85 s on 2 shared cores, past the ~60 s CI share of this change
 def test_a_sharded_eagle3_draft_trains_as_in_one_process(tmp_path, tiny_policy_dir):
     sharded, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "fsdp", nproc=NPROC)
 

@@ -70,7 +70,7 @@ def generate_with_a_sharded_draft(drafter: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+@pytest.mark.parametrize("drafter", ["eagle3", pytest.param("dflash", marks=pytest.mark.slow)])
 def test_speculative_generation_and_engine_push_with_a_sharded_draft(cp_pool, drafter):
     results = cp_pool.run(generate_with_a_sharded_draft, drafter)[:SIZE]
     assert results[0]["rounds"] != results[1]["rounds"]  # the ranks' draft forwards differ in number
