@@ -79,6 +79,12 @@ class SpecCoTrainConfig(GRPOConfig):
             Run the draft's TTT under bf16 autocast, on float32 weights. `None` follows the policy's `bf16`;
             `True` also under a float32 policy, whose training is untouched (on GPUs and AVX512-BF16 CPUs the draft
             then trains about 1.6x faster); `False` keeps the draft in float32 under a bf16 policy.
+        shard_draft (`bool`, *optional*, defaults to `False`):
+            Shard the draft with FSDP2 over the ranks the policy is sharded over, instead of a replica on every rank:
+            each rank holds 1/N of the draft's weights, gradients, optimizer state and last good copy. It is gathered
+            whole only for rollouts (as the policy is), one tensor at a time for engine pushes, and on rank 0 for
+            checkpoints. Needs FSDP2 (`fsdp_version=2`, or a `parallelism_config` with `dp_shard_size` > 1); not with
+            pipeline parallelism, whose last stage alone holds the draft.
 
         > Parameters that control speculative rollouts
 
@@ -231,6 +237,13 @@ class SpecCoTrainConfig(GRPOConfig):
         metadata={
             "help": "Train the draft under bf16 autocast (float32 weights). None: as the policy's `bf16`; True: also "
             "under a float32 policy."
+        },
+    )
+    shard_draft: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard the draft with FSDP2 over the policy's ranks (each rank holds 1/N of its weights, "
+            "gradients and optimizer state) instead of replicating it. Needs FSDP2; not with pipeline parallelism."
         },
     )
     speculative_decoding: bool = field(

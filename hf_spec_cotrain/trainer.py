@@ -45,6 +45,7 @@ from .draft import DraftModel, check_draft_family, count_tokens, drafter_family,
 from .draft.card import CoTrainingRecord, model_license, render_draft_card
 from .draft.upload import push_draft_folder
 from .parallel.dims import ParallelDims
+from .parallel.fsdp import shard_draft
 from .taps import TapRecorder
 from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically
 from .training.data_parallel import TRLHooks
@@ -164,6 +165,17 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         self._policy().add_model_tags([self.draft.drafter_name])
         self.aux_layer_ids = self.draft.tap_layer_ids(self._policy().config.get_text_config().num_hidden_layers)
         self.step_times = StepTimes(self._metrics)
+        engine = None
+        if speculative_vllm:  # before the draft is sharded: the engine starts from a folder of the whole draft
+            engine = build_rollout_engine(
+                self.draft,
+                args,
+                policy=self._policy(),
+                tokenizer=self._tokenizer,
+                max_num_seqs=args.per_device_train_batch_size * args.steps_per_generation,
+            )
+        if args.shard_draft:  # before its optimizer is built over its (then sharded) parameters
+            shard_draft(self.draft, self.parallel_dims.build_shard_mesh(self.accelerator.device.type))
         self.draft_cotrainer = DraftCoTrainer(
             self.draft,
             args,
@@ -175,15 +187,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
         self.add_callback(DraftUpdateCallback(self.draft_cotrainer))
         self.add_callback(StepTimesCallback(self.step_times))
-        engine = None
-        if speculative_vllm:
-            engine = build_rollout_engine(
-                self.draft,
-                args,
-                policy=self._policy(),
-                tokenizer=self._tokenizer,
-                max_num_seqs=args.per_device_train_batch_size * args.steps_per_generation,
-            )
         self.parallel = build_parallel_strategy(
             self.parallel_dims,
             self._trl_hooks(),
@@ -498,13 +501,18 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         process that `writes_draft`."""
         folder = Path(output_dir or self.args.output_dir)
         self.parallel.save_policy(folder, _internal_call)
-        if self._saving_checkpoint and self.args.save_draft and self.writes_draft():
+        if self._saving_checkpoint and self.args.save_draft and self.joins_draft_save():
             self._save_draft_checkpoint(folder)
 
     def writes_draft(self) -> bool:
         """Whether this process writes the draft: the last stage under pipeline parallelism (it trains the draft,
         and generated the rollouts whose acceptance history goes with it), else the main process."""
         return self.parallel.writes_draft()
+
+    def joins_draft_save(self) -> bool:
+        """Whether this process takes part in saving the draft: the one that `writes_draft`, and every process when
+        the draft is sharded (`shard_draft`: it is gathered whole for the writer, a collective)."""
+        return self.args.shard_draft or self.writes_draft()
 
     def _save_optimizer_and_scheduler(self, output_dir):
         self.parallel.save_optimizer_and_scheduler(output_dir)
@@ -513,10 +521,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         return self.parallel.load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_draft_checkpoint(self, folder: Path) -> None:
-        """The draft and its training state, each renamed into place once written whole."""
+        """The draft and its training state, each renamed into place once written whole (by the process that
+        `writes_draft`; every process that `joins_draft_save` gathers them)."""
         self.save_draft(folder / DRAFT_FOLDER)
         state = {**self.draft_cotrainer.state_dict(), "acceptance_history": self.rollouts.acceptance_history}
-        write_atomically(folder / DRAFT_STATE_FILE, lambda path: torch.save(state, path))
+        if self.writes_draft():
+            write_atomically(folder / DRAFT_STATE_FILE, lambda path: torch.save(state, path))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         self.parallel.load_optimizer_and_scheduler(checkpoint)
@@ -529,7 +539,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             )
             return
         loaded = load_draft(Path(checkpoint) / DRAFT_FOLDER, self.args.drafter)
-        self.draft.load_state_dict(loaded.state_dict())
+        self.draft_cotrainer.load_draft_weights(loaded.state_dict())
         state = torch.load(Path(checkpoint) / DRAFT_STATE_FILE, map_location="cpu", weights_only=True)
         self.draft_cotrainer.load_state_dict(state)
         self.rollouts.acceptance_history = [tuple(item) for item in state["acceptance_history"]]
@@ -539,9 +549,12 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     ) -> Path:
         """Write the draft as a vLLM-loadable folder, with its model card (README.md). ``final_policy``: the Hub id or
         folder of the policy the draft pairs with, the run's final one, for the card (default: ``hub_model_id``);
-        call it from the process that `writes_draft`."""
+        call it from every process that `joins_draft_save`: the process that `writes_draft` writes it."""
         folder = Path(folder)
         self.draft.validate_weights(what=f"The draft to save in {folder}")  # healed every step: a bug if it fails
+        weights = self.draft_cotrainer.whole_draft_weights()
+        if not self.writes_draft():
+            return folder
         card = render_draft_card(
             self.draft,
             target_model=self._starting_policy,
@@ -559,7 +572,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         )
 
         def write(temporary: Path) -> None:
-            self.draft.save_pretrained(temporary, on_this_rank=True)  # the caller is the process that writes it
+            # the caller is the process that writes it
+            self.draft.save_pretrained(temporary, on_this_rank=True, state_dict=weights)
             (temporary / "README.md").write_text(card, encoding="utf-8")
 
         write_atomically(folder, write)
@@ -620,9 +634,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             stages = self.parallel_dims.pipeline_parallel_size
             check_resumable(checkpoint, draft=self.args.save_draft, pipeline_stages=stages)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
-        if self.args.save_draft and self.writes_draft():
+        if self.args.save_draft and self.joins_draft_save():
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
-            if self.args.push_draft_to_hub:
+            if self.args.push_draft_to_hub and self.writes_draft():
                 self.push_draft_to_hub()
         return output
 

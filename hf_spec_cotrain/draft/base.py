@@ -364,8 +364,10 @@ class DraftModel(PreTrainedModel):
 
     def validate_weights(self, *, what: str = "The draft") -> None:
         """Raise a ValueError if a weight is non-finite or not in the draft's dtype, or if the vocabulary maps do not
-        map into the target vocabulary: such a draft would fail or draft garbage at the first rollout."""
-        tensors = {**dict(self.named_parameters()), **self.vocab_map_buffers}
+        map into the target vocabulary: such a draft would fail or draft garbage at the first rollout. A draft
+        sharded with FSDP2 checks this rank's shards (no collective: every rank checks its own)."""
+        weights = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in self.named_parameters()}
+        tensors = {**weights, **self.vocab_map_buffers}
         check_draft_tensors(tensors, vocab_size=self.config.vocab_size, dtype=self.dtype, what=what)
 
     def bind_target(self, target: PreTrainedModel) -> "DraftModel":

@@ -29,6 +29,8 @@ def check_parallel_options(
     given the facts only the trainer knows (without them: what the config itself says)."""
     if context_parallel:
         _check_context_parallel_options(config, deepspeed=deepspeed, fsdp_version=fsdp_version)
+    if config.shard_draft:
+        _check_shard_draft(config, pipeline_parallel=pipeline_parallel, fsdp=fsdp, fsdp_version=fsdp_version)
     if pipeline_parallel:
         _check_pipeline_parallel_options(config, deepspeed=deepspeed, fsdp=fsdp, peft=peft, tools=tools)
     if config.draft_train_fraction < 1 and (context_parallel or pipeline_parallel):
@@ -118,10 +120,36 @@ def parallelism_config_shards(parallelism_config) -> bool:
     return parallelism_config is not None and parallelism_config.dp_shard_size > 1
 
 
+def _configured_fsdp_version(config, fsdp_version: int | None) -> int | None:
+    """The FSDP version the run uses: the one given (accelerate's, the launcher's), else the config's own (its
+    `fsdp_config`'s version, before or after transformers strips the `fsdp_` prefix; transformers' default is 1)."""
+    if fsdp_version is None and config.fsdp:
+        options = config.fsdp_config or {}
+        fsdp_version = int(options.get("version", options.get("fsdp_version", 1)))
+    return fsdp_version
+
+
+def _check_shard_draft(config, *, pipeline_parallel: bool, fsdp: bool, fsdp_version: int | None) -> None:
+    """`shard_draft` shards the draft with FSDP2 over the mesh the policy is sharded over: there must be one."""
+    if pipeline_parallel:
+        raise ValueError(
+            f"`shard_draft=True` cannot be combined with `pipeline_parallel_size`={config.pipeline_parallel_size}: "
+            "the last stage alone holds and trains the draft, with no FSDP2 mesh to shard it over. Set "
+            "`shard_draft=False`."
+        )
+    fsdp_version = _configured_fsdp_version(config, fsdp_version)
+    if not fsdp or fsdp_version != 2:
+        running = f"FSDP version {fsdp_version}" if fsdp else "no FSDP (DDP, DeepSpeed or one process)"
+        raise ValueError(
+            f"`shard_draft=True` needs FSDP2, but this run uses {running}: the draft is sharded over the FSDP2 mesh "
+            "of the policy. Enable FSDP2 (`fsdp_version=2` in the FSDP config, or a `parallelism_config` with "
+            "`dp_shard_size` > 1), or set `shard_draft=False` to keep a replica of the draft on every rank."
+        )
+
+
 def _check_context_parallel_options(config, *, deepspeed: bool, fsdp_version: int | None) -> None:
     """Options that the context-parallel training step cannot honour."""
-    if fsdp_version is None and config.fsdp:
-        fsdp_version = (config.fsdp_config or {}).get("version", 1)  # transformers' default FSDP is version 1
+    fsdp_version = _configured_fsdp_version(config, fsdp_version)
     parallelism = config.parallelism_config
     incompatible = {
         "use_liger_kernel": config.use_liger_kernel,  # its GRPO loss reads unsharded hidden states

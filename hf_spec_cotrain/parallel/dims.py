@@ -189,6 +189,15 @@ class ParallelDims:
             mesh[(self.data_parallel_axis, "cp")]._flatten("dp_shard_cp")
         return mesh
 
+    def build_shard_mesh(self, device_type: str) -> DeviceMesh:
+        """The 1-D mesh the policy is sharded over under FSDP2 (no HSDP: every rank), named as `build_mesh` names
+        it ("dp_shard_cp" under context parallelism, else "dp_shard"); the sharded draft (`shard_draft`) is sharded
+        over it too. Collective over the world."""
+        if not self.fsdp or self.pp_enabled:
+            raise ValueError("Only an FSDP2 run without pipeline parallelism shards over every rank.")
+        name = "dp_shard_cp" if self.cp_enabled else self.data_parallel_axis
+        return init_device_mesh(device_type, (self._known_world_size("build_shard_mesh"),), mesh_dim_names=(name,))
+
     def _known_world_size(self, needed_by: str) -> int:
         if self.world_size is None:
             raise ValueError(f"ParallelDims.{needed_by} needs the world size: build the dims with `world_size=`.")

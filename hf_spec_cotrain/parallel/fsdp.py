@@ -6,14 +6,18 @@
 * `gathered_for_generation`: a sharded forward is a collective that every rank must join, but a speculative decoding
   loop runs as many forwards as its own rows need, which differ between ranks. The policy is gathered whole once
   (every rank at once), the loop's forwards then need no communication, and it is sharded again after.
+* `shard_draft`: the draft sharded like the policy (`shard_draft=True`), its training objective a forward of the
+  root; `full_state_items` gathers a sharded module's tensors one at a time (engine pushes).
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -34,6 +38,29 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if hasattr(model, "generate"):
         register_fsdp_forward_method(model, "generate")
     return model
+
+
+def shard_draft(draft: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard a draft (a `DraftModel`, replicated alike on every rank) over `mesh` with `fully_shard`, as one unit;
+    returns it (changed in place).
+
+    One unit, not block by block: the objectives call pieces of a block outside its forward (DFlash's context keys and
+    values), which a per-block unit would leave sharded. A draft has one or a few layers, so its objective
+    (`training_loss`, a forward of the root) gathers it whole for the micro-step, what a replica holds all run, and its
+    backward reduce-scatters (averages) the gradients over the mesh. FSDP2 takes as its root the first module to run a
+    forward, so the root is initialised here, before any proposer runs."""
+    fully_shard(draft, mesh=mesh)
+    register_fsdp_forward_method(draft, "training_loss")
+    draft._get_fsdp_state()._lazy_init()  # torch (2.13) has no public way to fix the root before a forward
+    return draft
+
+
+def full_state_items(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module.state_dict().items()` with each FSDP2-sharded tensor gathered whole as it is reached: one whole
+    tensor at a time, never the whole module (a collective per sharded tensor: every rank of its mesh iterates
+    alike)."""
+    for name, tensor in module.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @contextmanager
@@ -66,4 +93,4 @@ def _reshards_after_forward(module: FSDPModule) -> bool:
     return any(group.post_forward_mesh_info is not None for group in groups)
 
 
-__all__ = ["apply_fsdp2", "gathered_for_generation"]
+__all__ = ["apply_fsdp2", "full_state_items", "gathered_for_generation", "shard_draft"]

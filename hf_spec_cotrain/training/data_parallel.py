@@ -118,7 +118,8 @@ class DataParallel:
     @contextmanager
     def policy_for_generation(self) -> Iterator[nn.Module]:
         """The policy as TRL unwraps it for its own generation (DeepSpeed-3 gathered, full FSDP parameters), with
-        FSDP2's parameters gathered too: a speculative loop's forwards differ in number between ranks."""
+        FSDP2's parameters gathered too, and the draft's when it is sharded (`shard_draft`): a speculative loop's
+        forwards differ in number between ranks."""
         model_wrapped = self.trl.model_wrapped()
         with (
             unwrap_model_for_generation(
@@ -130,6 +131,7 @@ class DataParallel:
             torch.no_grad(),
             self.distributed.summon_full_params(model_wrapped, recurse=False),
             gathered_for_generation(unwrapped_model),
+            gathered_for_generation(self.draft_cotrainer.draft),
         ):
             yield unwrapped_model
 

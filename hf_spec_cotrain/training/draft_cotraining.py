@@ -13,6 +13,11 @@ The draft heals: the last draft that passed `DraftModel.validate_weights` after 
 state, in host memory: one copy of each) is restored whenever the draft fails it, at the start of every step (before
 rollouts use it or an engine receives it) and after every update. Restores that keep failing stop speculation for the
 rest of the run, loudly, rather than failing every step.
+
+A draft sharded with FSDP2 (`shard_draft`, `hf_spec_cotrain.parallel.fsdp.shard_draft`) trains from its shards:
+FSDP2's reduce-scatter averages its gradients (no all-reduce here), every rank decides together whether a micro-step
+runs its backward (a collective), the last good copy keeps each rank's shard, and its checkpoint state is gathered
+whole on rank 0 (`state_dict`) and sharded again on load.
 """
 
 import copy
@@ -23,6 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.utils import gather
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback, get_scheduler
 from transformers.utils import logging
 
@@ -106,6 +120,9 @@ class DraftCoTrainer:
         self.draft, self.args, self.accelerator = draft, args, accelerator
         self.step_times = step_times or StepTimes(metrics)
         self.policy, self.metrics, self.owner_rank = policy, metrics, owner_rank
+        # The process group of the FSDP2 mesh the draft is sharded over (None: replicated, or trained by one rank).
+        meshes = {p.device_mesh for p in draft.parameters() if isinstance(p, DTensor)}
+        self.shard_group = meshes.pop().get_group() if meshes else None
         self._policy_head: PolicyHead | None = None
         self.optimizer, self.scheduler = build_draft_optimizer(
             draft,
@@ -181,6 +198,7 @@ class DraftCoTrainer:
             loss_scale=1.0 / loss_divisor,
             cp_group=cp_group,
             generator=self.generator,
+            shard_group=self.shard_group,
         )
         self.record_metrics(out, total_loss)
 
@@ -223,12 +241,14 @@ class DraftCoTrainer:
         loss_scale: float = 1.0,
         cp_group: dist.ProcessGroup | None = None,
         generator: torch.Generator | None = None,
+        shard_group: dist.ProcessGroup | None = None,
     ) -> tuple[DraftLossOutput, torch.Tensor]:
         """The draft's micro-step: `draft_forward`, then the backward of its loss times ``loss_scale`` into the
         draft's gradients, skipped when the loss is not finite. Returns the output and the whole loss that decided
         (under context parallelism the global one, ``step_weights * step_losses`` summed, so that every rank of the
         group decides alike: a backward on some ranks only would hang the ring). ``cp_group`` applies to packed
-        documents (``recorded.cu_seqlens``) only."""
+        documents (``recorded.cu_seqlens``) only. ``shard_group``: that of a draft sharded with FSDP2, whose backward
+        is a collective: its ranks skip it together when any rank's loss is not finite."""
         cp_group = cp_group if recorded.cu_seqlens is not None else None
         out = DraftCoTrainer.draft_forward(
             draft, recorded, teacher_logits=teacher_logits, settings=settings, cp_group=cp_group, generator=generator
@@ -236,7 +256,10 @@ class DraftCoTrainer:
         total_loss = out.loss.detach()
         if cp_group is not None:  # `out.loss` is this rank's share; the step losses are global
             total_loss = (out.step_weights * out.step_losses).sum()
-        if torch.isfinite(total_loss):
+        finite = torch.isfinite(total_loss).float().reshape(1)
+        if shard_group is not None:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=shard_group)
+        if finite.item() > 0:
             (out.loss * loss_scale).backward()
         return out, total_loss
 
@@ -264,11 +287,14 @@ class DraftCoTrainer:
         nonfinite = torch.tensor(float(self._has_nonfinite), device=self.accelerator.device)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed and self.owner_rank is None:
-            all_reduce_gradients(params, group=None, average=True)
+            if self.shard_group is None:  # a sharded draft's gradients were averaged by FSDP2's reduce-scatter
+                all_reduce_gradients(params, group=None, average=True)
             dist.all_reduce(nonfinite)
         has_grads = any(p.grad is not None for p in params)
         max_norm = self.args.draft_max_grad_norm if self.args.draft_max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if has_grads else torch.zeros(())
+        if isinstance(grad_norm, DTensor):  # the norm over every rank's shards, replicated
+            grad_norm = grad_norm.full_tensor()
         if self.owner_rank is not None:  # only the owner has gradients (it alone steps); every rank takes its decision
             decision = torch.stack([nonfinite.float(), grad_norm.float().to(nonfinite.device)])
             dist.broadcast(decision, src=self.owner_rank)
@@ -320,8 +346,8 @@ class DraftCoTrainer:
 
     def _restore(self, step: int, problem: str) -> None:
         """The last good weights and optimizer state; the learning rate stays the scheduler's (it counts steps)."""
-        self.draft.load_state_dict(self._last_good["draft"])
-        self.optimizer.load_state_dict(copy.deepcopy(self._last_good["optimizer"]))
+        self.draft.load_state_dict(_from_host(self._last_good["draft"]))
+        self.optimizer.load_state_dict(_from_host(self._last_good["optimizer"]))
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         self.restored_steps += 1
@@ -368,16 +394,43 @@ class DraftCoTrainer:
     # ------------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict:
+        """The checkpoint state. A sharded draft's optimizer state is gathered whole (by parameter name) on rank 0
+        only, the others holding none of it: a collective, which every rank of the mesh calls."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "skipped_steps": self.skipped_steps,
             "restored_steps": self.restored_steps,
             "generator": self.generator.get_state(),
         }
 
+    def whole_draft_weights(self) -> dict[str, torch.Tensor] | None:
+        """A sharded draft's weights gathered whole on rank 0, on the CPU (the other ranks get none): a collective,
+        which every rank of the mesh calls. None for a replicated draft, whose own weights are whole."""
+        if self.shard_group is None:
+            return None
+        return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_draft_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load whole weights (a saved draft's) into the draft; each rank keeps its shard of a sharded one."""
+        if self.shard_group is None:
+            self.draft.load_state_dict(weights)
+        else:
+            set_model_state_dict(self.draft, weights, options=StateDictOptions(full_state_dict=True))
+
+    def _optimizer_state_dict(self) -> dict:
+        if self.shard_group is None:
+            return self.optimizer.state_dict()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.draft, self.optimizer, options=options)
+
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """The state `state_dict` wrote; a sharded draft's optimizer state (whole, on every rank) is sharded."""
+        if self.shard_group is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.draft, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
         self.restored_steps = state.get("restored_steps", 0)  # checkpoints written before healing existed
@@ -386,14 +439,49 @@ class DraftCoTrainer:
         self._last_good = self._snapshot()
 
 
+@dataclass(frozen=True)
+class HostShard:
+    """This rank's shard of an FSDP2-sharded tensor, copied to the CPU, with what makes it a DTensor again."""
+
+    local: torch.Tensor
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def on_device(self) -> DTensor:
+        local = self.local.to(self.mesh.device_type, copy=True)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
 def _on_host(state):
-    """A copy of a (nested) state dict with every tensor on the CPU: the last good draft costs no accelerator memory."""
+    """A copy of a (nested) state dict with every tensor on the CPU: the last good draft costs no accelerator memory.
+    A sharded tensor keeps this rank's shard only (`HostShard`)."""
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().to("cpu", copy=True)
+        return HostShard(local, state.device_mesh, tuple(state.placements), state.shape, state.stride())
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
         return {key: _on_host(value) for key, value in state.items()}
     if isinstance(state, list | tuple):
         return type(state)(_on_host(value) for value in state)
+    return copy.deepcopy(state)
+
+
+def _from_host(state):
+    """A fresh copy of an `_on_host` state to load: each `HostShard` a DTensor again on its mesh's device, every
+    other tensor a host copy (loading moves it), so that what is loaded never aliases the snapshot."""
+    if isinstance(state, HostShard):
+        return state.on_device()
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {key: _from_host(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_from_host(value) for value in state)
     return copy.deepcopy(state)
 
 

@@ -22,6 +22,7 @@ from ..generation.decoder import eval_mode
 from ..generation.engine import EngineRestartedError, EngineUnavailableError, RolloutEngine, SpecDecodeStats
 from ..generation.pipelined import PipelinedTarget
 from ..generation.speculative import SpeculativeOutput, speculative_generate
+from ..parallel.fsdp import full_state_items
 from .draft_cotraining import seeded_generator
 from .timing import StepTimes
 
@@ -299,7 +300,7 @@ class VLLMBackend:
         """Push the policy and the draft into the engine."""
         with self.weights() as weights:
             self.engine.sync_weights("policy", weights)
-        self.engine.sync_weights("draft", self.draft.state_dict().items())
+        self.engine.sync_weights("draft", full_state_items(self.draft))
 
 
 class ColocatedVLLMBackend(VLLMBackend):
@@ -312,6 +313,9 @@ class ServerBackend(VLLMBackend):
     def sync(self) -> None:
         if self.accelerator.is_main_process:
             super().sync()
+        else:  # a sharded draft is gathered tensor by tensor, a collective that every rank joins
+            for _ in full_state_items(self.draft):
+                pass
         self.accelerator.wait_for_everyone()
 
     def after_restart(self, restarted: EngineRestartedError, prompt_ids, *, step: int) -> BackendTurn:

@@ -128,7 +128,7 @@ class GradientRecorder(TrainerCallback):
 
     def _record_draft(self, optimizer, args, kwargs):
         draft = self.trainer.draft
-        self.draft_grads = {n: p.grad.detach().clone() for n, p in draft.named_parameters() if p.grad is not None}
+        self.draft_grads = {n: full(p.grad) for n, p in draft.named_parameters() if p.grad is not None}
 
 
 def record_training(trainer, *, after_training: Callable[[], None] | None = None) -> dict:

@@ -24,7 +24,8 @@ from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
 from hf_spec_cotrain.testing import build_char_tokenizer
 
 
-def _switch_accelerate_to_fsdp2_on_cpu() -> None:
+def switch_accelerate_to_fsdp2_on_cpu() -> None:
+    """accelerate drops FSDP on CPU: make its state FSDP2 in this process, as a GPU launch would have it."""
     init = AcceleratorState.__init__
 
     def init_with_fsdp2(self, *args, **kwargs):
@@ -40,7 +41,7 @@ def main(mode: str, policy_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     fsdp = {}
     if mode == "fsdp2":
-        _switch_accelerate_to_fsdp2_on_cpu()
+        switch_accelerate_to_fsdp2_on_cpu()
         fsdp = {
             "fsdp": True,
             "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
