@@ -271,3 +271,24 @@ def assert_same_step_logs(record: dict, single: dict, keys: list[str]) -> None:
         for key in keys:
             assert logged[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
         assert logged["draft/loss"] > 0
+
+
+def assert_equal_runs(parallel: list[dict], single: dict, logged: list[str], *, loosen: float) -> None:
+    """Each rank's gradients and parameters of both models after the steps, and its logged draft metrics and
+    `logged`, equal the single process's."""
+    assert_single_run_learned(parallel, single)
+    for record in parallel:
+        rank = record["rank"]
+        # DDP's (or FSDP2's) average of the shards' gradients is the gradient of one process over all the rows, and so
+        # is the draft's after the draft co-trainer's average over the world.
+        for kind, relative_to_max in (("grads", True), ("params", False)):
+            for model in ("policy", "draft"):
+                assert_same_tensors(
+                    record[f"{model}_{kind}"],
+                    single[f"{model}_{kind}"],
+                    f"rank {rank} {model} {kind}",
+                    relative_to_max=relative_to_max,
+                    loosen=loosen,
+                )
+        # Every step logged the draft's metrics and the policy's, equal to the single process's.
+        assert_same_step_logs(record, single, [*DRAFT_METRICS, *logged])

@@ -6,13 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cotrain_cases import (
-    DRAFT_METRICS,
-    assert_same_step_logs,
-    assert_same_tensors,
-    assert_single_run_learned,
-    run_parallel_and_single,
-)
+from cotrain_cases import assert_equal_runs, assert_same_tensors, run_parallel_and_single
 from sharded_draft_script import run
 from torchrun_launch import run_torchrun
 
@@ -27,20 +21,10 @@ NPROC = 4
 def assert_sharded_run_equals_one_process(sharded: list[dict], single: dict, *, loosen: float) -> None:
     """Both models' gradients and parameters after two steps, and the step logs, equal one process's; each rank
     holds at most 1/N (+ 5%) of the replicated draft's state, which is one process's."""
-    assert_single_run_learned(sharded, single)
+    assert_equal_runs(sharded, single, ["loss"], loosen=loosen)
     for record in sharded:
         rank = record["rank"]
         assert record["draft_param_types"] == ["DTensor"], f"rank {rank}: the draft is not sharded"
-        for kind, relative_to_max in (("grads", True), ("params", False)):
-            for model in ("policy", "draft"):
-                assert_same_tensors(
-                    record[f"{model}_{kind}"],
-                    single[f"{model}_{kind}"],
-                    f"rank {rank} {model} {kind}",
-                    relative_to_max=relative_to_max,
-                    loosen=loosen,
-                )
-        assert_same_step_logs(record, single, [*DRAFT_METRICS, "loss"])
         replicated = single["draft_state_bytes"]
         assert record["draft_state_bytes"] <= replicated * (1 / NPROC + 0.05), (
             f"rank {rank} holds {record['draft_state_bytes']} bytes of draft state; a replica is {replicated}"

@@ -5,13 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cotrain_cases import (
-    DRAFT_METRICS,
-    assert_same_step_logs,
-    assert_same_tensors,
-    assert_single_run_learned,
-    run_parallel_and_single,
-)
+from cotrain_cases import assert_equal_runs, run_parallel_and_single
 from cp_cotrain_script import run
 from tiny_policy import save_tiny_policy
 
@@ -95,23 +89,3 @@ def test_fsdp2_and_context_parallel_with_a_dflash_draft_equal_the_single_process
     )
 
     assert_equal_runs(fsdp, single, ["loss", "entropy"], loosen=25.0)  # as the 2-process DFlash run's
-
-
-def assert_equal_runs(cp: list[dict], single: dict, logged: list[str], *, loosen: float) -> None:
-    """Each rank's gradients and parameters after the steps, and its logged metrics, equal the single process's."""
-    assert_single_run_learned(cp, single)
-    for record in cp:
-        rank = record["rank"]
-        # DDP's (or FSDP2's) average of the shards' gradients is the gradient of one process over all the rows, and so
-        # is the draft's after the draft co-trainer's average over the world.
-        for kind, relative_to_max in (("grads", True), ("params", False)):
-            for model in ("policy", "draft"):
-                assert_same_tensors(
-                    record[f"{model}_{kind}"],
-                    single[f"{model}_{kind}"],
-                    f"rank {rank} {model} {kind}",
-                    relative_to_max=relative_to_max,
-                    loosen=loosen,
-                )
-        # Every step logged the draft's metrics and the policy's, equal to the single process's.
-        assert_same_step_logs(record, single, [*DRAFT_METRICS, *logged])
