@@ -1,4 +1,5 @@
-"""Per-rank peak memory and time of a draft's context-parallel attention: ring vs all-gather vs one device.
+"""Per-rank peak memory and time of a draft's context-parallel attention: ring vs all-gather vs one device (and for
+DFlash the queries gathered instead of the K/V).
 
 What runs, forward+backward, float32 on the CPU, on one document of length L of which every rank holds its zigzag
 shard of L / W positions. EAGLE-3 (`--drafter eagle3`): the attention of a K = 3 training-time test: step 0
@@ -8,8 +9,8 @@ exactly the calls `ttt_loss` makes per draft layer. DFlash (`--drafter dflash`):
 over the context before its anchor and its own block; under CP each rank runs the anchors whose `anchor - 1` it
 holds, as `dflash_loss` does. `--draft-layers` runs that many layers' attention (each with its own K/V, every
 forward before the backward, as a draft of that depth does): what a layer keeps for its backward then adds up. Configurations: one device (`branch_attention` without a group, W = 1), and the
-ring and the all-gather baseline (`cp_mode="allgather"`) at W = 2 and 4 on gloo, each configuration in its own
-processes (spawned once for all lengths, after a small warm-up).
+ring and the all-gather baseline (`cp_mode="allgather"`), and for DFlash `cp_mode="gather_queries"` (the queries
+travel, the K/V stay home), at W = 2 and 4 on gloo, each configuration in its own processes (spawned once for all lengths, after a small warm-up).
 
 Memory: the per-process peak resident set (VmHWM, reset through /proc/self/clear_refs just before the
 measured forward+backward) minus the resident set at that moment, the maximum over the ranks. RSS counts
@@ -35,15 +36,26 @@ import tempfile
 import time
 
 
-CONFIGS = ("single1", "ring2", "allgather2", "ring4", "allgather4")
-RATIOS = (("ring4", "single1"), ("ring4", "allgather4"), ("ring2", "single1"), ("ring2", "allgather2"))
+CONFIGS = ("single1", "ring2", "allgather2", "gather_queries2", "ring4", "allgather4", "gather_queries4")
+RATIOS = (
+    ("ring4", "single1"),
+    ("ring4", "allgather4"),
+    ("gather_queries4", "single1"),
+    ("gather_queries4", "allgather4"),
+    ("ring2", "single1"),
+    ("ring2", "allgather2"),
+)
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument(
-        "--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="implementation and world size"
+        "--configs",
+        nargs="+",
+        default=None,
+        choices=CONFIGS,
+        help="implementation and world size (default: all; gather_queries only for DFlash, whose queries are few)",
     )
     # Few, narrow heads keep 32K within minutes on a 2-core CPU; the query/key-value head ratio (GQA 4) is Llama-3's.
     parser.add_argument("--num-q-heads", type=int, default=4)
@@ -203,7 +215,8 @@ def main() -> None:
     # Read by glibc when each child starts: large tensors get their own mapping, returned to the OS on free.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ["OMP_NUM_THREADS"] = "1"
-    configs = [config for config in CONFIGS if config in args.configs]
+    asked = args.configs or [c for c in CONFIGS if args.drafter == "dflash" or not c.startswith("gather_queries")]
+    configs = [config for config in CONFIGS if config in asked]
     workload = (
         f"DFlash block attention ({args.anchors} anchors, blocks of {args.dflash_block})"
         if args.drafter == "dflash"

@@ -1,12 +1,21 @@
 """`branch_attention`, the public entry point: the single-device blockwise kernel, or with a context-parallel group
-of more than one rank, one of the zigzag strategies of `ring.py`."""
+of more than one rank, one of the zigzag strategies of `ring.py` and `query_gather.py`."""
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.comm import is_context_parallel
 from .blockwise import BLOCK_SIZE, blockwise_branch_attention_func
-from .ring import CONTEXT_PARALLEL_FUNCS
+from .query_gather import gather_queries_branch_attention_func
+from .ring import allgather_branch_attention_func, ring_branch_attention_func
+
+
+CONTEXT_PARALLEL_FUNCS = {
+    "ring": ring_branch_attention_func,
+    "allgather": allgather_branch_attention_func,
+    "gather_queries": gather_queries_branch_attention_func,
+}
+"""`branch_attention(..., cp_mode=...)` dispatches here when the context-parallel group has more than one rank."""
 
 
 CP_MODES = tuple(CONTEXT_PARALLEL_FUNCS)
@@ -45,9 +54,10 @@ def branch_attention(
             result is this rank's shard of the single-device result. Every rank of the group must call.
         scale: score scale, `D**-0.5` by default.
         block_size: query/key block length; memory grows as `block_size * L`, never `L * L`.
-        cp_mode: with W > 1, "ring" (trunk K/V travel the ring, O(L/W) memory per rank) or "allgather"
-            (the all-gather-K/V baseline: the gathered K/V, O(L) per rank, are kept for the backward); both
-            are exact.
+        cp_mode: with W > 1, "ring" (trunk K/V travel the ring, O(L/W) memory per rank), "allgather"
+            (the all-gather-K/V baseline: the gathered K/V, O(L) per rank, are kept for the backward) or
+            "gather_queries" (the group's queries travel and the K/V stay home: for queries at few positions,
+            `query_index`, such as DFlash's blocks; O(L/W + queries of the group)); all exact.
         query_index: int64 `[Lq]`, strictly increasing: the positions the queries sit at, when only some
             positions need an output (the TTT's later steps). Same result as the full call at those rows, for
             the cost of Lq queries. With context parallelism: the local positions (in this rank's shard) of this

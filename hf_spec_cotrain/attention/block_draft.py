@@ -12,9 +12,10 @@ memory in the context length, its tested backward, grouped-query heads and packe
 * the ``B`` rows are packed into one row (`cu_seqlens`), so that the queries of every row form one strictly
   increasing `query_index`.
 
-Under context parallelism the context is the trunk the ring passes around, and an anchor's block goes with its
-queries: to the rank that holds ``anchor - 1`` in the zigzag layout (`anchor_query_positions`), whose causal balance
-then balances the anchors too. The block's keys never travel.
+Under context parallelism the context is the zigzag-sharded trunk, and an anchor's block goes with its queries: to
+the rank that holds ``anchor - 1`` (`anchor_query_positions`), whose causal balance then balances the anchors too.
+The block's keys never travel; the context's travel around the ring, or, with few blocks against a long context, the
+blocks' queries travel to the context instead (`cp_mode="gather_queries"`).
 """
 
 import torch
@@ -78,7 +79,8 @@ def block_draft_attention(
             this rank's zigzag shard ``[1, Hkv, L / W, D]``, ``cu_seqlens`` stays global, ``anchors`` are global
             positions and each is passed by the rank that holds ``anchor - 1`` (`anchor_query_positions`; none
             at all is fine), with its queries and block. The result is the single-device one at those anchors.
-        cp_mode: "ring" or "allgather", as `branch_attention`'s.
+        cp_mode: as `branch_attention`'s: "gather_queries" suits blocks (few queries against a long context; what
+            DFlash's objective uses), "ring" and "allgather" move the context K/V instead.
 
     Returns:
         ``[B, Hq, N, S, D]`` in q's dtype (zeros at masked anchors).

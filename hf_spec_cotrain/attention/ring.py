@@ -354,11 +354,12 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- wrappers
 
 
-def _sharded(
+def sharded_branch_attention(
     kernels, q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, query_index, sliding_window, sinks
 ):
     """Validate zigzag-sharded inputs (`cu_seqlens` global, `query_index` local), build the layout and run `kernels`
-    (forward, backward) through the autograd function."""
+    (a strategy's forward and backward: the ring's, the all-gather's, `query_gather`'s) through the autograd
+    function."""
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q,
         k,
@@ -407,7 +408,7 @@ def ring_branch_attention_func(
 ) -> torch.Tensor:
     """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call, each with
     the local positions of its own queries as `query_index` (an empty one included) if any."""
-    return _sharded(
+    return sharded_branch_attention(
         (ring_branch_attention_forward, ring_branch_attention_backward),
         q,
         k,
@@ -440,7 +441,7 @@ def allgather_branch_attention_func(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`branch_attention` on zigzag shards with the all-gather-K/V baseline; every rank must call."""
-    return _sharded(
+    return sharded_branch_attention(
         (allgather_branch_attention_forward, allgather_branch_attention_backward),
         q,
         k,
@@ -455,7 +456,3 @@ def allgather_branch_attention_func(
         sliding_window=sliding_window,
         sinks=sinks,
     )
-
-
-CONTEXT_PARALLEL_FUNCS = {"ring": ring_branch_attention_func, "allgather": allgather_branch_attention_func}
-"""`branch_attention(..., cp_mode=...)` dispatches here when the context-parallel group has more than one rank."""

@@ -387,6 +387,7 @@ class DFlashDraftModel(DraftModel):
                 anchor_mask,
                 cu_seqlens=cu_seqlens,
                 cp_group=cp_group,
+                cp_mode="gather_queries",  # a few blocks against a long context: the queries travel, not the K/V
             )
             return out.flatten(2, 3)
 

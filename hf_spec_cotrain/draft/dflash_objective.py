@@ -134,9 +134,9 @@ def dflash_loss(
     Under context parallelism (``cp_group`` of W > 1 ranks) every ``[1, L/W, ...]`` input is this rank's zigzag shard
     of packed documents (``cu_seqlens`` global): the anchors are sampled over the whole sequence alike on every rank
     (the same ``generator`` state; the loss mask is gathered, one bool per position), each rank runs the blocks whose
-    ``anchor - 1`` it holds (the context through the ring, the anchor's embedding and teacher rows from its
-    neighbours, `ZigzagHalo`), and ``loss`` is its share of the single-device loss: SUM the draft's gradients over the
-    group, as for `ttt_loss`. The metrics are global.
+    ``anchor - 1`` it holds (its queries gathered to every rank's context, `cp_mode="gather_queries"`; the anchor's
+    embedding and teacher rows from its neighbours, `ZigzagHalo`), and ``loss`` is its share of the single-device
+    loss: SUM the draft's gradients over the group, as for `ttt_loss`. The metrics are global.
     """
     context_parallel = is_context_parallel(cp_group)
     aux_hidden_states, input_embeds = batch.aux_hidden_states, batch.input_embeds

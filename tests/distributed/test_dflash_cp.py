@@ -8,6 +8,7 @@ import torch.distributed as dist
 from process_pool import subgroup
 
 from hf_spec_cotrain.attention import anchor_query_positions, block_draft_attention, block_draft_attention_reference
+from hf_spec_cotrain.attention.api import CP_MODES
 from hf_spec_cotrain.draft import DFlashDraftModel
 from hf_spec_cotrain.draft.base import DraftTrainingBatch
 from hf_spec_cotrain.draft.dflash_objective import DFlashTrainingOptions, dflash_loss, sample_anchors
@@ -130,7 +131,7 @@ def check_block_cases(size: int, dtype: torch.dtype, mode: str) -> list[int]:
     return [check_block_attention(size, case, dtype, mode) for case in BLOCK_CASES[size]]
 
 
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("mode", CP_MODES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_block_attention_equals_single_device(cp_pool, size, dtype, mode):

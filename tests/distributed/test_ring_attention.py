@@ -11,8 +11,7 @@ import torch.distributed as dist
 from process_pool import subgroup
 
 from hf_spec_cotrain.attention import blockwise, branch_attention, branch_attention_reference
-from hf_spec_cotrain.attention.api import CP_MODES
-from hf_spec_cotrain.attention.ring import CONTEXT_PARALLEL_FUNCS
+from hf_spec_cotrain.attention.api import CONTEXT_PARALLEL_FUNCS, CP_MODES
 from hf_spec_cotrain.parallel import zigzag_shard
 from hf_spec_cotrain.parallel.comm import RingComm
 from hf_spec_cotrain.parallel.zigzag import ring_steps, zigzag_indices
@@ -340,18 +339,20 @@ def test_invisible_chunks_are_skipped(cp_pool, mode, window):
     first chunk is seen by both query chunks, a later rank's chunks only by the late query chunk): 2W + 1, never 4W.
     A window shorter than a chunk: each query chunk and the one before it (3 on rank 0, 4 elsewhere), and the ring
     runs steps 0, 1 and W - 1 only, hopping over the others. Summed over the ranks this is exactly the single-device
-    count."""
+    count; also when the queries travel instead ("gather_queries": each rank runs every query against its own keys)."""
     counts = cp_pool.run(count_block_pairs, mode, window)
     num_blocks = 2 * POOL_WORLD_SIZE
     steps = ring_steps(POOL_WORLD_SIZE, window, length=num_blocks * 4)
     assert steps == (list(range(POOL_WORLD_SIZE)) if window is None else [0, 1, POOL_WORLD_SIZE - 1])
     for rank, (forward, backward, rounds, _, _) in enumerate(counts):
-        assert forward == backward == (2 * POOL_WORLD_SIZE + 1 if window is None else 3 + (rank > 0))
-        # forward and backward K/V hops, and the dK/dV's hops home; the all-gather has no rounds
+        if mode != "gather_queries":
+            assert forward == backward == (2 * POOL_WORLD_SIZE + 1 if window is None else 3 + (rank > 0))
+        # forward and backward K/V hops, and the dK/dV's hops home; the all-gathers have no rounds
         assert rounds == (3 * (len(steps) - 1) + 1 if mode == "ring" else 0)
     single_forward = counts[0][3]
     assert single_forward == (num_blocks * (num_blocks + 1) // 2 if window is None else 2 * num_blocks - 1)
     assert sum(forward for forward, *_ in counts) == single_forward
+    assert sum(backward for _, backward, *_ in counts) == counts[0][4]
 
 
 def ring_comm_protocol() -> list[float]:
