@@ -231,16 +231,21 @@ def trunk_backward(
     query_spans: list[BlockSpan] | None = None,
     key_spans: list[BlockSpan] | None = None,
     dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `trunk_forward` given the final `lse` and `delta`; returns `dq` and the `dk, dv` of this key shard.
 
-    Spans and window as in `trunk_forward`; a given `dq` is accumulated into in place (the ring sums over key shards).
+    Spans and window as in `trunk_forward`; a given `dq` is accumulated into in place (the ring sums over key shards),
+    and so are given `dk, dv` (the gathered queries' sum over query sets).
     """
     if dq is None:
         dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    if dk is None:
+        dk = torch.zeros_like(k)
+    if dv is None:
+        dv = torch.zeros_like(v)
     if key_spans is None:
         key_spans = block_spans(key_positions, key_doc_ids, block_size)
     if query_spans is None:

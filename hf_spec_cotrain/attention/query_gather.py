@@ -130,7 +130,7 @@ def gather_queries_backward(dout, q, k, v, branch_k, branch_v, sinks, out, lse, 
         if count == 0:
             continue
         rows = slice(0, count)
-        _, dk_source, dv_source = trunk_backward(
+        trunk_backward(
             douts[source][..., rows, :],
             queries[source][..., rows, :],
             k,
@@ -140,6 +140,8 @@ def gather_queries_backward(dout, q, k, v, branch_k, branch_v, sinks, out, lse, 
             scale=scale,
             block_size=block_size,
             dq=dqs[source][..., rows, :],
+            dk=dk,
+            dv=dv,
             query_positions=positions[source][rows],
             query_doc_ids=doc_ids[source][rows],
             query_spans=block_spans(positions[source][rows], doc_ids[source][rows], block_size),
@@ -148,8 +150,6 @@ def gather_queries_backward(dout, q, k, v, branch_k, branch_v, sinks, out, lse, 
             key_spans=layout.spans[layout.rank],
             window=layout.window,
         )
-        dk.add_(dk_source)
-        dv.add_(dv_source)
     dq = reduce_scatter_stacked(dqs, group)[..., : counts[layout.rank], :].contiguous()
     dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
     dsinks = sink_grads(sinks, lse, delta)
