@@ -30,12 +30,11 @@ DEFAULT_DRAFTER = Eagle3DraftModel.drafter_name
 
 def runnable_drafters(args) -> list[str]:
     """The families a `SpecCoTrainConfig` like ``args`` (but for its `drafter`) can co-train: those that take
-    context-parallel shards when it is context parallel, that train from the taps alone when it is pipelined."""
+    context-parallel shards when it is context parallel."""
     return [
         name
         for name, family in DRAFTER_FAMILIES.items()
-        if (family.supports_context_parallel or args.context_parallel_size == 1)
-        and (family.supports_pipeline_parallel or args.pipeline_parallel_size == 1)
+        if family.supports_context_parallel or args.context_parallel_size == 1
     ]
 
 

@@ -95,11 +95,3 @@ def test_more_tokens_per_round_than_the_block_is_refused_when_the_config_is_buil
 def test_dflash_under_context_parallelism_is_refused_when_the_config_is_built(tmp_path):
     with pytest.raises(ValueError, match="`drafter`='dflash' does not train under context parallelism"):
         SpecCoTrainConfig(**tiny_grpo_kwargs(tmp_path), drafter="dflash", context_parallel_size=2)
-
-
-def test_dflash_under_pipeline_parallelism_is_refused_when_the_config_is_built(tmp_path):
-    """The last stage would fail at the first step: the mask token's embedding row is on the first stage."""
-    with pytest.raises(ValueError, match="`drafter`='dflash' does not train under pipeline parallelism.*'eagle3'"):
-        SpecCoTrainConfig(
-            **tiny_grpo_kwargs(tmp_path), drafter="dflash", pipeline_parallel_size=2, pipeline_num_microbatches=4
-        )
