@@ -102,6 +102,16 @@ def record_draft_training_dtypes(draft) -> set:
     return dtypes
 
 
+def rows_in_one_order(config):
+    """While training: TRL's generation batch unshuffled for a DFlash run. DFlash draws its anchors per batch position
+    (`sample_anchors`), and TRL shuffles the generation batch: one process its 8 rows at once, each stage its own 4
+    before the stages concatenate them in rank order. The runs would train on the same rows in other orders, their
+    anchors placed by other draws; unshuffled, both hold the rows in one order."""
+    if config.drafter != "dflash":
+        return nullcontext()
+    return patch.object(grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
+
+
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     """Train; return this rank's record. ``mode``: "pp" or "single", then optionally "-" and TRL's `loss_type` or a
     name of `VARIANTS`."""
@@ -112,11 +122,7 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
     with recorded_checkpoint_reads() as tensors_read:
         trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     draft_dtypes = record_draft_training_dtypes(trainer.draft)
-    # DFlash draws its anchors per batch position (`sample_anchors`), and TRL shuffles the generation batch: one process
-    # its 8 rows at once, each stage its own 4 before the stages concatenate them in rank order. The runs would train on
-    # the same rows in other orders, their anchors placed by other draws; unshuffled, both hold the rows in one order.
-    unshuffled = patch.object(grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
-    with unshuffled if config.drafter == "dflash" else nullcontext():
+    with rows_in_one_order(config):
         record = record_training(trainer, after_training=lambda: trainer.save_model(str(Path(out_dir, "final"))))
     return {
         **record,
