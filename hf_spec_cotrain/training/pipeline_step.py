@@ -507,9 +507,11 @@ class PipelineCoTrainStep:
                 per_tap.setdefault(tap_id, []).append(tensor)
         return {tap_id: torch.cat(tensors) for tap_id, tensors in per_tap.items()}
 
-    def _draft_inputs(self, batch: GRPOBatch, attention_mask: torch.Tensor) -> tuple[RecordedTaps, torch.Tensor]:
-        """The step's taps, whole batch, and the teacher's logits over the draft vocabulary (the policy's own head on
-        the decoder's output)."""
+    def _draft_inputs(
+        self, batch: GRPOBatch, attention_mask: torch.Tensor
+    ) -> tuple[RecordedTaps, torch.Tensor, torch.Tensor | None]:
+        """The step's taps, whole batch, the teacher's logits over the draft vocabulary (the policy's own head on
+        the decoder's output), and the first stage's rows of the draft's `embedded_token_ids` (None: none)."""
         taps = self._gather_taps()
         final_hidden = torch.cat([self.module.final_hidden.pop(mb) for mb in range(self.num_microbatches)])
         recorded = RecordedTaps(
@@ -521,14 +523,13 @@ class PipelineCoTrainStep:
             attention_mask=attention_mask,
             loss_mask=draft_loss_mask(batch.prompt_mask, batch.completion_mask, batch.tool_mask),
         )
-        return recorded, self.module.policy_head.teacher_logits(final_hidden, self.draft.draft_to_target_ids)
+        teacher = self.module.policy_head.teacher_logits(final_hidden, self.draft.draft_to_target_ids)
+        token_rows = self.channel.receive(microbatch=0, tap_id=TOKEN_ROWS_TAP) if self.embedded_token_ids else None
+        return recorded, teacher, token_rows
 
     def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> DraftLossOutput:
-        recorded, teacher = self._draft_inputs(batch, attention_mask)
-        token_rows = nullcontext()
-        if self.embedded_token_ids:
-            token_rows = self.draft.token_rows(self.channel.receive(microbatch=0, tap_id=TOKEN_ROWS_TAP))
-        with token_rows:
+        recorded, teacher, token_rows = self._draft_inputs(batch, attention_mask)
+        with nullcontext() if token_rows is None else self.draft.token_rows(token_rows):
             out, _ = DraftCoTrainer.draft_micro_step(
                 self.draft,
                 recorded,

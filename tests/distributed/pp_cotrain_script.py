@@ -63,7 +63,9 @@ VARIANTS = {
     # A DFlash draft whose target layers lie on several stages (taps 2, 4, 6: stages 0, 1, 1 of 2; 1, 2, 3 of 4), and
     # whose mask token is in the prompts, so that its embedding row, which the first stage sends every step, trains.
     "dflash": DFLASH,
-    "dflash_4stages": DFLASH,
+    # On 4 stages, with the relay transport (the taps ride the activations; the channel carries the mask row alone)
+    # and a reduced vocabulary (the draft's own lm_head, chosen from the prompts on the last stage).
+    "dflash_4stages": dict(DFLASH, pipeline_tap_transport="relay", draft_vocab_size=40),
 }
 PIPELINE_STAGES = {"4stages": 4, "dflash_4stages": 4}
 
