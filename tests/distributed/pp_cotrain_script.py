@@ -3,7 +3,8 @@
 variant) or in one plain process on the same 8 rows ("single"); records what `cotrain_cases.record_training`
 records (see cotrain_cases.py for the runs), the completions each generation really produced, and the bytes of the
 policy and its optimizer state held here. After training both modes save the policy to `<out_dir>/final` (under
-pipeline parallelism: every stage writes its shard). Every run records the names of the checkpoint tensors it read.
+pipeline parallelism: every stage writes its shard). Every run records the names of the checkpoint tensors it read,
+and under pipeline parallelism the taps of each stage.
 
 Rollouts really run (speculative: under pipeline parallelism the last stage drives them through the stages) but are
 then replaced by the fixed completions, so both runs train on the same rows. Their random numbers do not depend on
