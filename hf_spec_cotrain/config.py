@@ -326,13 +326,6 @@ class SpecCoTrainConfig(GRPOConfig):
         if self.num_speculative_tokens != "auto":
             check_int(self.num_speculative_tokens, "num_speculative_tokens", hint=" or 'auto'")
         family = drafter_family(self.drafter)
-        if self.pipeline_parallel_size > 1 and not family.supports_pipeline_parallel:
-            raise ValueError(
-                f"`drafter`={self.drafter!r} does not train under pipeline parallelism yet (its blocks embed the mask "
-                "token with the policy's embedding, which the first stage holds and the taps do not carry): use "
-                f"`drafter`='eagle3' with `pipeline_parallel_size`={self.pipeline_parallel_size}, or "
-                "`pipeline_parallel_size`=1."
-            )
         check_int(self.ttt_steps, "ttt_steps")
         if self.max_speculative_tokens is None:
             self.max_speculative_tokens = family.trained_tokens_per_round(self)

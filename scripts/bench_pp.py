@@ -1,7 +1,8 @@
 """Step time of pipeline-parallel GRPO: TapChannel taps vs relayed taps vs no co-training, 2 and 4 stages (CPU).
 
 What runs: one `PipelineCoTrainStep.step` (the policy's pipelined forward and backward with the GRPO loss, and on
-the last stage the draft's training-time test) on a tiny Llama, float32, gloo, one thread per rank. Modes:
+the last stage the draft's objective: EAGLE-3's training-time test, or with ``--drafter dflash`` a one-layer DFlash
+draft tapping as many layers, DFlash's spread) on a tiny Llama, float32, gloo, one thread per rank. Modes:
 
 * ``pp``: pipeline parallelism without co-training (no taps, no draft): the baseline.
 * ``channel-taps`` / ``relay-taps``: the taps are delivered to the last stage (TapChannel, or riding the
@@ -12,7 +13,8 @@ All modes run in the same processes, interleaved repeat by repeat (so that load 
 step timed from a barrier to a barrier (the slowest rank), after warm-up steps. The table reports medians, and
 ratios to ``pp`` as the median over repeats of the ratio within one repeat, for the wall seconds of the step
 and for its CPU seconds summed over the ranks (each process's CPU time, gloo's threads included), which a
-loaded machine disturbs far less. With 4 ranks on a 2-core machine the ranks also wait for a core: every extra
+loaded machine disturbs far less. It also counts the bytes of the tensors the stages send over the TapChannel in one
+step (the taps, and DFlash's mask-token row; headers of 96 bytes each aside). With 4 ranks on a 2-core machine the ranks also wait for a core: every extra
 CPU-second shows up in the step time, whichever rank spends it, so there the draft's compute is never hidden
 in the pipeline's drain bubble, as it partly is with one core per stage.
 
@@ -20,6 +22,7 @@ Reproduce the table of docs/pipeline_parallel.md (about 8 minutes on 2 cores):
 
     python scripts/bench_pp.py --stages 2 4 --repeats 15
     python scripts/bench_pp.py --stages 2 --repeats 3     # a quick look
+    python scripts/bench_pp.py --drafter dflash --stages 2 4 --repeats 15
 """
 
 import argparse
@@ -35,6 +38,7 @@ MODES = ("pp", "channel-taps", "relay-taps", "channel", "relay")
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--drafter", default="eagle3", choices=["eagle3", "dflash"])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
     parser.add_argument("--num-layers", type=int, default=8)
@@ -69,6 +73,17 @@ def _aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     return default_aux_layer_ids(num_layers)
 
 
+def _draft(args, policy):
+    """EAGLE-3 on the default taps, or a one-layer DFlash draft on DFlash's spread of as many target layers."""
+    from hf_spec_cotrain import Eagle3DraftModel
+    from hf_spec_cotrain.draft import DFlashDraftModel, default_target_layer_ids
+
+    if args.drafter == "eagle3":
+        return Eagle3DraftModel.from_target(policy, aux_layer_ids=_aux_layer_ids(args.num_layers)).train()
+    spread = default_target_layer_ids(args.num_layers, len(_aux_layer_ids(args.num_layers)))
+    return DFlashDraftModel.from_target(policy, mask_token_id=3, target_layer_ids=spread).train()
+
+
 def _batch(args, seed: int):
     import torch
 
@@ -91,7 +106,6 @@ def _batch(args, seed: int):
 def _build_step(args, mode: str, group):
     import torch.distributed as dist
 
-    from hf_spec_cotrain import Eagle3DraftModel
     from hf_spec_cotrain.training.pipeline_step import PipelineCoTrainStep
 
     class TapsOnlyStep(PipelineCoTrainStep):
@@ -103,14 +117,14 @@ def _build_step(args, mode: str, group):
     policy = _policy(args)
     is_last = dist.get_rank(group) == dist.get_world_size(group) - 1
     co_train = mode != "pp"
-    aux = _aux_layer_ids(args.num_layers)
-    draft = Eagle3DraftModel.from_target(policy, aux_layer_ids=aux).train() if co_train and is_last else None
+    draft = _draft(args, policy)  # on every rank: each needs its taps and the token ids it embeds itself
     step_class = TapsOnlyStep if mode.endswith("-taps") else PipelineCoTrainStep
     return step_class(
         policy,
         group=group,
-        draft=draft,
-        aux_layer_ids=aux if co_train else None,
+        draft=draft if co_train and is_last else None,
+        aux_layer_ids=draft.tap_layer_ids(args.num_layers) if co_train else None,
+        embedded_token_ids=draft.embedded_token_ids(),
         schedule=args.schedule,
         num_microbatches=args.microbatches,
         tap_transport="relay" if mode.startswith("relay") else "channel",
@@ -125,6 +139,7 @@ def _worker(rank: int, world_size: int, init_file: str, args, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     group = dist.group.WORLD
     steps = {mode: _build_step(args, mode, group) for mode in args.modes}
+    sent = {mode: _count_sent_bytes(step) for mode, step in steps.items()}
     times: dict[str, list[float]] = {mode: [] for mode in args.modes}
     cpu: dict[str, list[float]] = {mode: [] for mode in args.modes}
     batch = _batch(args, seed=0)
@@ -144,14 +159,38 @@ def _worker(rank: int, world_size: int, init_file: str, args, results) -> None:
                 cpu[mode].append(cpu_seconds)
     per_rank_cpu = [None] * world_size
     dist.all_gather_object(per_rank_cpu, cpu)
+    per_rank_sent = [None] * world_size
+    dist.all_gather_object(per_rank_sent, {mode: counts[-1] for mode, counts in sent.items() if counts})
     if rank == 0:
         total_cpu = {mode: [sum(values) for values in zip(*(c[mode] for c in per_rank_cpu))] for mode in args.modes}
-        results.put((times, total_cpu))
+        channel_bytes = {mode: sum(s.get(mode, 0) for s in per_rank_sent) for mode in args.modes}
+        results.put((times, total_cpu, channel_bytes))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run(args, world_size: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def _count_sent_bytes(step) -> list[int]:
+    """The bytes of the tensors this rank sends over the step's TapChannel, one count per step (filled in as it
+    runs; empty on the receiver and without a channel)."""
+    channel = step.channel
+    counts: list[int] = []
+    if channel is None or channel.is_receiver:
+        return counts
+    begin_step, send = channel.begin_step, channel.send
+
+    def counting_begin_step():
+        counts.append(0)
+        begin_step()
+
+    def counting_send(tensor, **kwargs):
+        counts[-1] += tensor.numel() * tensor.element_size()
+        send(tensor, **kwargs)
+
+    channel.begin_step, channel.send = counting_begin_step, counting_send
+    return counts
+
+
+def _run(args, world_size: int) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int]]:
     import tempfile
 
     import torch.multiprocessing as mp
@@ -175,10 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     tokens = args.rows * (args.prompt_length + args.completion_length)
+    taps = _draft(args, _policy(args)).tap_layer_ids(args.num_layers)
     print(
         f"Llama {args.num_layers} layers x hidden {args.hidden_size}, {args.rows} rows x "
         f"{args.prompt_length + args.completion_length} tokens ({tokens} per step), {args.microbatches} micro-batches, "
-        f"{args.schedule}, taps {_aux_layer_ids(args.num_layers)} + embeddings; median of {args.repeats} steps "
+        f"{args.schedule}, {args.drafter} taps {taps} + embeddings; median of {args.repeats} steps "
         f"after {args.warmup} warm-up: seconds (median over repeats of the ratio to pp in the same repeat)",
         flush=True,
     )
@@ -187,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     print("-" * len(header))
     for world_size in args.stages:
         started = time.perf_counter()
-        wall, cpu = _run(args, world_size)
+        wall, cpu, channel_bytes = _run(args, world_size)
         for label, times in (("wall", wall), ("cpu", cpu)):
             cells = []
             for mode in args.modes:
@@ -196,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{world_size:>6} {label:>4} | " + " | ".join(cells), flush=True)
         spread = ", ".join(f"{mode} {min(values):.3f}-{max(values):.3f}" for mode, values in wall.items())
         print(f"{'':>11}   wall range: {spread}   [{time.perf_counter() - started:.0f} s]", flush=True)
+        sizes = ", ".join(f"{mode} {size / 2**10:.1f}" for mode, size in channel_bytes.items())
+        print(f"{'':>11}   TapChannel KiB per step (all senders): {sizes}", flush=True)
 
 
 def _paired_ratio(times: dict[str, list[float]], mode: str) -> float:

@@ -252,3 +252,8 @@ def test_the_embedded_draft_train_fraction_adapts_to_context_and_pipeline_parall
     assert chosen.draft_train_fraction == 0.5 and from_file.draft_train_fraction == 0.75
     with pytest.raises(ValueError, match="draft_train_fraction"):  # and a choice that cannot work is still refused
         grpo.parse_args(["--context_parallel_size", "2", "--draft_train_fraction", "0.5"])
+
+
+def test_the_embedded_job_races_both_drafters_under_pipeline_parallelism():
+    for argv in ([], ["--pipeline_parallel_size", "2"]):
+        assert grpo.parse_args(argv)[0].drafters == ["eagle3", "dflash"], argv

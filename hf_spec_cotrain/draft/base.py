@@ -11,7 +11,8 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -165,9 +166,6 @@ class DraftModel(PreTrainedModel):
 
     drafter_name: ClassVar[str]
     vllm_method: ClassVar[str]
-    supports_pipeline_parallel: ClassVar[bool] = True
-    """Whether it trains on the last stage from the taps alone; a family that needs more of the policy there (DFlash:
-    the embedding of its mask token, which the first stage holds) is refused at build under pipeline parallelism."""
     checkpoint_architecture: ClassVar[str]
     display_name: ClassVar[str]  # the family in messages ("EAGLE-3")
     card_template: ClassVar[str]  # its model card's template in the repository's model_cards/ (`draft.card`)
@@ -183,6 +181,7 @@ class DraftModel(PreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.__dict__["_target_embedding"] = None  # a reference, not a submodule: never saved, never trained
+        self.__dict__["_token_rows"] = None  # the rows of `embedded_token_ids` while `token_rows` binds them
 
     def _register_vocab_maps(self, *, with_t2d: bool = True) -> None:
         """``d2t`` (int64 ``[draft_vocab_size]``, target id = draft id + offset) and, with ``with_t2d``, ``t2d`` (bool
@@ -403,15 +402,50 @@ class DraftModel(PreTrainedModel):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Target token embeddings, detached, in the draft's dtype: the draft never trains the policy's embedding.
 
-        Under FSDP2 the policy's embedding is sharded by rows: each rank looks up the ids it holds and one all-reduce
-        of the ``[..., H]`` result completes them (every rank of its mesh calls alike), never the whole table."""
-        weight = self.target_embedding.weight.detach()
-        input_ids = input_ids.to(weight.device)
-        if isinstance(weight, DTensor):
-            mesh = weight.device_mesh
-            input_ids = DTensor.from_local(input_ids, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            return F.embedding(input_ids, weight).full_tensor().to(self.dtype)
-        return F.embedding(input_ids, weight).to(self.dtype)
+        While `token_rows` binds rows, only the ids of `embedded_token_ids` are embedded, from those rows. Under FSDP2
+        the policy's embedding is sharded by rows: each rank looks up the ids it holds and one all-reduce of the
+        ``[..., H]`` result completes them (every rank of its mesh calls alike), never the whole table."""
+        rows = self._token_rows
+        if rows is None:
+            weight = self.target_embedding.weight.detach()
+            input_ids = input_ids.to(weight.device)
+            if isinstance(weight, DTensor):
+                mesh = weight.device_mesh
+                input_ids = DTensor.from_local(input_ids, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                return F.embedding(input_ids, weight).full_tensor().to(self.dtype)
+            return F.embedding(input_ids, weight).to(self.dtype)
+        known = self.embedded_token_ids()
+        matches = input_ids.to(rows.device)[..., None] == torch.tensor(known, device=rows.device)
+        if not matches.any(-1).all():
+            unknown = sorted(set(input_ids.flatten().tolist()) - set(known))
+            raise ValueError(
+                f"This draft holds the embeddings of tokens {list(known)} only (`token_rows`: its stage has no "
+                f"embedding), not of {unknown}: embed other tokens where the embedding is (the rollouts' `embed`)."
+            )
+        return rows.detach()[matches.long().argmax(-1)].to(self.dtype)
+
+    def embedded_token_ids(self) -> tuple[int, ...]:
+        """The token ids whose target embeddings the draft's training forward looks up itself (DFlash: its mask
+        token); the other embeddings it reads come with the taps. Under pipeline parallelism the draft's stage holds
+        no embedding, so the first stage sends these rows every step (`token_rows`)."""
+        return ()
+
+    @contextmanager
+    def token_rows(self, rows: torch.Tensor) -> Iterator[None]:
+        """Inside the block, `embed_input_ids` reads the embeddings of `embedded_token_ids` from ``rows``
+        ``[n, hidden]`` (in that order) instead of the bound target's embedding, which the draft's pipeline stage
+        does not hold."""
+        known = self.embedded_token_ids()
+        if rows.dim() != 2 or rows.shape[0] != len(known):
+            raise ValueError(
+                f"`rows` has shape {tuple(rows.shape)}; expected one embedding row per token of `embedded_token_ids` "
+                f"{list(known)}: ({len(known)}, hidden)."
+            )
+        self.__dict__["_token_rows"] = rows
+        try:
+            yield
+        finally:
+            self.__dict__["_token_rows"] = None
 
     # ------------------------------------------------------------------ training
 

@@ -122,7 +122,6 @@ class DFlashDraftModel(DraftModel):
 
     config_class = DFlashDraftConfig
     config: DFlashDraftConfig
-    supports_pipeline_parallel = False  # the mask token's embedding row is on the first stage, not sent with the taps
     drafter_name = "dflash"
     vllm_method = "dflash"
     checkpoint_architecture = DFLASH_ARCHITECTURE
@@ -284,6 +283,10 @@ class DFlashDraftModel(DraftModel):
             f"{asked} were asked (`num_speculative_tokens`, or `max_speculative_tokens` under 'auto'): ask for at "
             f"most {block_size - 1}, or use a draft with `dflash_block_size` >= {asked + 1}."
         )
+
+    def embedded_token_ids(self) -> tuple[int, ...]:
+        """The mask token, whose embedding fills every block after its anchor (the anchors' own come with the taps)."""
+        return (self.config.mask_token_id,)
 
     def tap_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """vLLM's id ``i`` (the output of target layer ``i``) is the input of layer ``i + 1``: tap id ``i + 1``."""

@@ -19,23 +19,12 @@ __all__ = [
     "checkpoint_family",
     "drafter_family",
     "load_draft",
-    "runnable_drafters",
 ]
 
 DRAFTER_FAMILIES: dict[str, type[DraftModel]] = {
     family.drafter_name: family for family in (Eagle3DraftModel, DFlashDraftModel)
 }
 DEFAULT_DRAFTER = Eagle3DraftModel.drafter_name
-
-
-def runnable_drafters(args) -> list[str]:
-    """The families a `SpecCoTrainConfig` like ``args`` (but for its `drafter`) can co-train: those that train from
-    the taps alone when it is pipelined."""
-    return [
-        name
-        for name, family in DRAFTER_FAMILIES.items()
-        if family.supports_pipeline_parallel or args.pipeline_parallel_size == 1
-    ]
 
 
 def drafter_family(drafter: str, *, field: str = "drafter") -> type[DraftModel]:

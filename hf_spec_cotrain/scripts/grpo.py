@@ -44,7 +44,7 @@ from transformers.utils.logging import disable_progress_bar
 from trl import TrlParser
 
 from ..config import SpecCoTrainConfig
-from ..draft.families import drafter_family, runnable_drafters
+from ..draft.families import DRAFTER_FAMILIES, drafter_family
 from ..parallel.dims import ParallelDims
 from ..trainer import SpecCoTrainGRPOTrainer
 from .baselines import TimedGRPOTrainer, VLLMBaselineGRPOTrainer
@@ -159,7 +159,7 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
     if not embedded or _given(argv, "drafter") or _given(argv, "draft_model_name_or_path"):
         script.drafters = [config.drafter]
     elif not script.drafters:
-        script.drafters = runnable_drafters(config)
+        script.drafters = list(DRAFTER_FAMILIES)  # every family runs under every parallelism
     for drafter in script.drafters:
         drafter_family(drafter, field="drafters")
     if config.output_dir == _VARIANT_OUTPUT_DIR:

@@ -13,6 +13,10 @@ Taps reach the draft in one of two ways (``tap_transport``):
 * ``"relay"`` (the baseline): taps ride the pipeline as extra stage outputs; every stage forwards the taps of
   earlier stages plus its own with its activations.
 
+A draft that looks up token embeddings itself (`DraftModel.embedded_token_ids`: DFlash's mask token) gets their
+rows from the first stage, which holds the embedding: sent over the `TapChannel` once per step before the schedule
+(under either transport), and bound to the draft for its step (`DraftModel.token_rows`).
+
 The draft's training objective (`DraftCoTrainer.draft_micro_step`, the micro-step of every draft) runs on the last
 stage once its part of the schedule is done (while the earlier stages still drain their backward passes), on the
 whole batch, with the teacher computed there from the final norm's output and the lm_head rows of the draft
@@ -22,6 +26,7 @@ one process would compute them on the whole model.
 
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +61,7 @@ from .draft_cotraining import DraftCoTrainer, DraftStepSettings, RecordedTaps
 __all__ = ["GRPOBatch", "PipelineCoTrainStep", "PipelineStepOutput"]
 
 EMBEDDING_TAP = 0  # the input of decoder layer 0 is the token embedding
+TOKEN_ROWS_TAP = -1  # the channel's id for the draft's token rows (`embedded_token_ids`), sent once per step
 
 
 # ---------------------------------------------------------------------------------------------------- the step
@@ -126,6 +132,8 @@ class PipelineCoTrainStep:
         draft: the `DraftModel` to co-train, required on the last stage when ``aux_layer_ids`` is set.
         aux_layer_ids: tapped layers (the draft's `tap_layer_ids`, in its order). None: no co-training (plain
             pipelined GRPO).
+        embedded_token_ids: the token ids whose embeddings the draft looks up itself (the draft's
+            `embedded_token_ids`, given on every rank): the first stage sends their rows to the last every step.
         schedule: ``"1F1B"`` (default) or ``"GPipe"``.
         num_microbatches: pipeline micro-batches per step (>= 4, and >= the number of stages for 1F1B); the
             batch size must be a multiple of it.
@@ -151,6 +159,7 @@ class PipelineCoTrainStep:
         group: dist.ProcessGroup | None = None,
         draft: nn.Module | None = None,
         aux_layer_ids: Sequence[int] | None = None,
+        embedded_token_ids: Sequence[int] = (),
         schedule: str = "1F1B",
         num_microbatches: int = MIN_MICROBATCHES,
         tap_transport: str = "channel",
@@ -210,6 +219,8 @@ class PipelineCoTrainStep:
         tap_layers = sorted({EMBEDDING_TAP, *self.aux_layer_ids}) if self.co_training else []
         # Taps of each stage in the order it produces them (forward order).
         self.taps_of_stage = [[a for a in tap_layers if a in layers] for layers in self.layer_ranges]
+        # Token rows travel only where the draft's stage is not the embedding's.
+        self.embedded_token_ids = tuple(embedded_token_ids) if self.co_training and self.num_stages > 1 else ()
         self.draft = draft if self.is_last else None
         if self.draft is not None and draft_settings is None:
             draft_settings = DraftStepSettings(options=self.draft.training_options(None))
@@ -221,6 +232,11 @@ class PipelineCoTrainStep:
                 raise ValueError(
                     f"`aux_layer_ids`={list(self.aux_layer_ids)} differ from the draft's taps "
                     f"{list(draft.validate_target(model.config))}."
+                )
+            if self.num_stages > 1 and tuple(draft.embedded_token_ids()) != self.embedded_token_ids:
+                raise ValueError(
+                    f"`embedded_token_ids`={list(self.embedded_token_ids)} differ from the token ids the draft embeds "
+                    f"itself, {list(draft.embedded_token_ids())}: pass `draft.embedded_token_ids()` on every rank."
                 )
 
         cut_model_to_stage(model, self.layer_ranges[self.stage_index], is_first=self.is_first, is_last=self.is_last)
@@ -246,9 +262,8 @@ class PipelineCoTrainStep:
             )
         self._reference_schedules: dict[tuple[int, int, int], ScheduleGPipe] = {}
         self._ref_per_token_logps: torch.Tensor | None = None
-        self.channel = (
-            TapChannel(self.group, device=self.device) if self.co_training and tap_transport == "channel" else None
-        )
+        uses_channel = self.co_training and (tap_transport == "channel" or bool(self.embedded_token_ids))
+        self.channel = TapChannel(self.group, device=self.device) if uses_channel else None
         self._local_taps: dict[tuple[int, int], torch.Tensor] = {}
         if self.co_training:
             self.module.on_tap = self._on_tap
@@ -319,6 +334,8 @@ class PipelineCoTrainStep:
             self.channel.begin_step()
             if self.is_last:
                 self._post_landing_buffers(micro_rows, length)
+            elif self.is_first and self.embedded_token_ids:
+                self._send_token_rows()
 
         losses: list[torch.Tensor] = []
         target = torch.arange(rows, device=self.device) if self.is_last else None
@@ -454,12 +471,27 @@ class PipelineCoTrainStep:
         else:
             self.channel.send(hidden, microbatch=microbatch, tap_id=tap_id)
 
+    def _send_token_rows(self) -> None:
+        """The first stage's embedding rows of the draft's `embedded_token_ids`, as the policy holds them this step."""
+        weight = self.model.get_input_embeddings().weight.detach()
+        rows = weight[torch.tensor(self.embedded_token_ids, device=weight.device)]
+        self.channel.send(rows, microbatch=0, tap_id=TOKEN_ROWS_TAP)
+
     def _post_landing_buffers(self, micro_rows: int, length: int) -> None:
-        shape = (micro_rows, length, self.hidden_size)
+        """One landing buffer per message of each sender, in its sending order: the first stage's token rows (sent
+        before the schedule), then every stage's taps under the channel transport."""
+        tap_shape = (micro_rows, length, self.hidden_size)
         for source in range(self.num_stages - 1):
-            keys = [(mb, a) for mb in range(self.num_microbatches) for a in self.taps_of_stage[source]]
+            keys, shapes = [], []
+            if source == 0 and self.embedded_token_ids:
+                keys.append((0, TOKEN_ROWS_TAP))
+                shapes.append((len(self.embedded_token_ids), self.hidden_size))
+            if self.tap_transport == "channel":
+                taps = [(mb, a) for mb in range(self.num_microbatches) for a in self.taps_of_stage[source]]
+                keys += taps
+                shapes += [tap_shape] * len(taps)
             if keys:
-                self.channel.expect(source=source, keys=keys, shapes=[shape] * len(keys), dtype=self.dtype)
+                self.channel.expect(source=source, keys=keys, shapes=shapes, dtype=self.dtype)
 
     def _gather_taps(self) -> dict[int, torch.Tensor]:
         """Every tap of the step, the micro-batches concatenated in row order."""
@@ -475,9 +507,11 @@ class PipelineCoTrainStep:
                 per_tap.setdefault(tap_id, []).append(tensor)
         return {tap_id: torch.cat(tensors) for tap_id, tensors in per_tap.items()}
 
-    def _draft_inputs(self, batch: GRPOBatch, attention_mask: torch.Tensor) -> tuple[RecordedTaps, torch.Tensor]:
-        """The step's taps, whole batch, and the teacher's logits over the draft vocabulary (the policy's own head on
-        the decoder's output)."""
+    def _draft_inputs(
+        self, batch: GRPOBatch, attention_mask: torch.Tensor
+    ) -> tuple[RecordedTaps, torch.Tensor, torch.Tensor | None]:
+        """The step's taps, whole batch, the teacher's logits over the draft vocabulary (the policy's own head on
+        the decoder's output), and the first stage's rows of the draft's `embedded_token_ids` (None: none)."""
         taps = self._gather_taps()
         final_hidden = torch.cat([self.module.final_hidden.pop(mb) for mb in range(self.num_microbatches)])
         recorded = RecordedTaps(
@@ -489,16 +523,19 @@ class PipelineCoTrainStep:
             attention_mask=attention_mask,
             loss_mask=draft_loss_mask(batch.prompt_mask, batch.completion_mask, batch.tool_mask),
         )
-        return recorded, self.module.policy_head.teacher_logits(final_hidden, self.draft.draft_to_target_ids)
+        teacher = self.module.policy_head.teacher_logits(final_hidden, self.draft.draft_to_target_ids)
+        token_rows = self.channel.receive(microbatch=0, tap_id=TOKEN_ROWS_TAP) if self.embedded_token_ids else None
+        return recorded, teacher, token_rows
 
     def _draft_step(self, batch: GRPOBatch, attention_mask: torch.Tensor, scale: float) -> DraftLossOutput:
-        recorded, teacher = self._draft_inputs(batch, attention_mask)
-        out, _ = DraftCoTrainer.draft_micro_step(
-            self.draft,
-            recorded,
-            teacher_logits=teacher,
-            settings=self.draft_settings,
-            loss_scale=scale,
-            generator=self.draft_generator,
-        )
+        recorded, teacher, token_rows = self._draft_inputs(batch, attention_mask)
+        with nullcontext() if token_rows is None else self.draft.token_rows(token_rows):
+            out, _ = DraftCoTrainer.draft_micro_step(
+                self.draft,
+                recorded,
+                teacher_logits=teacher,
+                settings=self.draft_settings,
+                loss_scale=scale,
+                generator=self.draft_generator,
+            )
         return out

@@ -58,7 +58,8 @@ def parallelize_policy(
     the reference model, in this order:
 
     1. the pipeline stage cut: the policy (and the reference model) in place to this rank's stage, inside the stage's
-       `PipelineCoTrainStep`; the draft reads token embeddings from this stage;
+       `PipelineCoTrainStep`; the draft reads token embeddings from this stage (on the last, the rows of its
+       `embedded_token_ids` that the first stage sends each step);
     2. FSDP2 of the policy and the reference model over the ``dp_shard_cp`` axis, where accelerate dropped FSDP (on
        CPU) and the trainer shards them itself;
     3. the ring attention (`zigzag_ring_attention`) that the context-parallel forwards run their layers in.
@@ -72,6 +73,7 @@ def parallelize_policy(
             policy,
             draft=draft if accelerator.process_index == last_rank else None,
             aux_layer_ids=aux_layer_ids,
+            embedded_token_ids=draft.embedded_token_ids(),
             schedule=args.pipeline_schedule,
             num_microbatches=args.pipeline_num_microbatches,
             tap_transport=args.pipeline_tap_transport,

@@ -448,7 +448,9 @@ def test_invalid_block_size(block_size):
 def test_invalid_cp_mode():
     q = torch.randn(1, 2, 4, 4)
     k = torch.randn(1, 1, 4, 4)
-    with pytest.raises(ValueError, match=r"cp_mode must be one of \('ring', 'allgather', 'gather_queries'\), got 'ulysses'"):
+    with pytest.raises(
+        ValueError, match=r"cp_mode must be one of \('ring', 'allgather', 'gather_queries'\), got 'ulysses'"
+    ):
         branch_attention(q, k, k, cp_mode="ulysses")
 
 

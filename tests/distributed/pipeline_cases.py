@@ -4,8 +4,7 @@ single-process co-training step every pipelined step must reproduce."""
 import torch
 
 from hf_spec_cotrain import Eagle3DraftModel
-from hf_spec_cotrain.draft import count_tokens
-from hf_spec_cotrain.draft.eagle3_ttt import ttt_loss
+from hf_spec_cotrain.draft import DFlashDraftModel, DraftTrainingBatch, count_tokens
 from hf_spec_cotrain.losses import grpo_loss, grpo_per_token_logps
 from hf_spec_cotrain.taps import TapRecorder
 from hf_spec_cotrain.testing import build_tiny_target
@@ -19,6 +18,11 @@ POLICY_KWARGS = dict(
 FAMILY_KWARGS = {"gpt_oss": dict(sliding_window=4)}
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 AUX_LAYER_IDS = (2, 4, 5)
+# DFlash's target layers 1, 3, 5 are taps 2, 4, 6: on stages 0 and 1 of 2, 1, 2 and 3 of 4. Its mask token is one of
+# the batches' tokens; the first stage holds its embedding row.
+DFLASH_TARGET_LAYER_IDS = (1, 3, 5)
+DFLASH_MASK_TOKEN_ID = 7
+DRAFT_SEED = 11  # the draft objective's random stream (DFlash's anchors)
 DRAFT_VOCAB_SIZE = 40
 TEMPERATURE = 0.9
 BETA = 0.5
@@ -43,19 +47,29 @@ def build_reference(family: str = "llama", dtype: torch.dtype = torch.float32) -
     return reference.eval()
 
 
-def build_draft(policy: torch.nn.Module) -> Eagle3DraftModel:
-    """A draft with a reduced vocabulary (the teacher reads lm_head rows), the same on every process, in the
-    policy's dtype."""
+def build_draft(policy: torch.nn.Module, drafter: str = "eagle3") -> Eagle3DraftModel | DFlashDraftModel:
+    """The same draft on every process, in the policy's dtype: EAGLE-3 with a reduced vocabulary (the teacher reads
+    lm_head rows), or DFlash with the whole one (it reads the policy's lm_head, on the last stage)."""
     vocab_size = policy.config.vocab_size
     counts = count_tokens(
         [torch.randint(0, vocab_size, (2000,), generator=torch.Generator().manual_seed(5))], vocab_size
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        draft = Eagle3DraftModel.from_target(
-            policy, aux_layer_ids=AUX_LAYER_IDS, draft_vocab_size=DRAFT_VOCAB_SIZE, token_counts=counts
-        )
+        if drafter == "dflash":
+            draft = DFlashDraftModel.from_target(
+                policy, mask_token_id=DFLASH_MASK_TOKEN_ID, target_layer_ids=DFLASH_TARGET_LAYER_IDS, block_size=4
+            )
+        else:
+            draft = Eagle3DraftModel.from_target(
+                policy, aux_layer_ids=AUX_LAYER_IDS, draft_vocab_size=DRAFT_VOCAB_SIZE, token_counts=counts
+            )
     return draft.to(policy.dtype).train()
+
+
+def draft_taps(drafter: str) -> tuple[int, ...]:
+    """The tap ids of `build_draft`'s draft of family `drafter`."""
+    return tuple(i + 1 for i in DFLASH_TARGET_LAYER_IDS) if drafter == "dflash" else AUX_LAYER_IDS
 
 
 def make_batch(seed: int, *, rows: int = 8, prompt_length: int = 5, completion_length: int = 7, vocab_size: int = 100):
@@ -76,9 +90,10 @@ def make_batch(seed: int, *, rows: int = 8, prompt_length: int = 5, completion_l
     )
 
 
-def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_IDS, reference=None):
+def reference_step(policy, draft, batch: GRPOBatch, *, reference=None, generator=None):
     """One process, whole model: the policy's GRPO loss (with a KL term of weight `BETA` to `reference`, when given)
-    and the draft's `DraftLossOutput`, both backpropagated."""
+    and the draft's `DraftLossOutput` (its objective's randomness from `generator`), both backpropagated."""
+    aux_layer_ids = AUX_LAYER_IDS if draft is None else draft.tap_layer_ids(policy.config.num_hidden_layers)
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     completion_length = batch.completion_ids.shape[1]
@@ -106,14 +121,14 @@ def reference_step(policy, draft, batch: GRPOBatch, *, aux_layer_ids=AUX_LAYER_I
     if draft is None:
         return loss.detach(), None
     rows = policy.lm_head.weight.detach()[draft.draft_to_target_ids]
-    out = ttt_loss(
-        draft,
+    training_batch = DraftTrainingBatch(
         aux_hidden_states=taps.aux_hidden_states,
         input_embeds=taps.embeddings,
         teacher_logits=taps.final_hidden @ rows.T,
         loss_mask=torch.cat([torch.zeros_like(batch.prompt_mask), batch.completion_mask], dim=1).bool(),
         attention_mask=attention_mask.bool(),
     )
+    out = draft.training_loss(training_batch, draft.training_options(None), generator=generator)
     out.loss.backward()
     return loss.detach(), out
 

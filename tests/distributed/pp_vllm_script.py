@@ -9,7 +9,8 @@ weights once more, so that the test can read them back from the server's rollout
 
 Besides `pp_cotrain_script`'s record, each rank records every push it took part in (`sync_stages`: the step, the
 weight set, this stage's tensors, the version committed or the error), and the last stage every rollout request to
-the server (the step, the weights versions that served it, the completions).
+the server (the step, the weights versions that served it, the completions, the drafts it made). The mode "pp-dflash"
+co-trains `pp_cotrain_script`'s DFlash draft, which the server must speculate with.
 """
 
 import math
@@ -17,7 +18,7 @@ import os
 from pathlib import Path
 
 from cotrain_cases import equality_trainer, main, record_training
-from pp_cotrain_script import FixedRolloutTrainer, run_config
+from pp_cotrain_script import VARIANTS, FixedRolloutTrainer, rows_in_one_order, run_config
 
 from hf_spec_cotrain.generation import stage_sync
 
@@ -63,7 +64,14 @@ def record_server_rollouts(trainer) -> list[dict]:
     def recording(*args, **kwargs):
         out = generate(*args, **kwargs)
         versions = (out.versions.policy, out.versions.draft)
-        served.append({"step": trainer.state.global_step, "versions": versions, "completions": out.completion_ids})
+        served.append(
+            {
+                "step": trainer.state.global_step,
+                "versions": versions,
+                "completions": out.completion_ids,
+                "num_drafts": out.spec_decode.num_drafts,
+            }
+        )
         return out
 
     client.generate = recording
@@ -71,8 +79,11 @@ def record_server_rollouts(trainer) -> list[dict]:
 
 
 def run(policy_dir: str, out_dir: str, mode: str) -> dict:
-    assert mode == "pp", mode
-    config = run_config(out_dir, 2, use_vllm=True, vllm_mode="server", vllm_server_base_url=os.environ[SERVER_URL_ENV])
+    """``mode``: "pp", or "pp-dflash" for `pp_cotrain_script`'s DFlash draft."""
+    mode, _, variant = mode.partition("-")
+    assert mode == "pp" and variant in ("", "dflash"), mode
+    server = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=os.environ[SERVER_URL_ENV])
+    config = run_config(out_dir, 2, **server, **VARIANTS.get(variant, {}))
     trainer = equality_trainer(FixedRolloutTrainer, policy_dir, config)
     pushes, served = record_pushes(trainer), record_server_rollouts(trainer)
 
@@ -82,7 +93,8 @@ def run(policy_dir: str, out_dir: str, mode: str) -> dict:
         if trainer.accelerator.process_index == trainer.parallel.last_rank:
             trainer.save_draft(Path(out_dir, "final_draft"))
 
-    record = record_training(trainer, after_training=after_training)
+    with rows_in_one_order(config):
+        record = record_training(trainer, after_training=after_training)
     return {**record, "generated": trainer.generated, "pushes": pushes, "served": served}
 
 

@@ -16,10 +16,12 @@ import torch.distributed as dist
 from pipeline_cases import (
     AUX_LAYER_IDS,
     BETA,
+    DRAFT_SEED,
     TEMPERATURE,
     build_draft,
     build_policy,
     build_reference,
+    draft_taps,
     grads_of,
     make_batch,
     reference_step,
@@ -54,19 +56,24 @@ def run_pipeline_steps(
     co_train: bool,
     dtype: torch.dtype,
     with_reference: bool = False,
+    drafter: str = "eagle3",
 ):
     """Two steps (two batch shapes) on a fresh pipeline; per step this stage's gradients and, on the last stage,
     the losses and the draft's gradients. `with_reference`: a KL term of weight `BETA` to `build_reference`'s
-    model."""
+    model; `drafter`: the draft's family."""
     group = subgroup(size)
     policy = build_policy(family, dtype)
     is_last = dist.get_rank(group) == size - 1
-    draft = build_draft(policy) if co_train and is_last else None
+    draft = build_draft(policy, drafter) if co_train else None
     step = PipelineCoTrainStep(
         policy,
         group=group,
-        draft=draft,
-        aux_layer_ids=AUX_LAYER_IDS if co_train else None,
+        draft=draft if is_last else None,
+        aux_layer_ids=draft_taps(drafter) if co_train else None,
+        embedded_token_ids=draft.embedded_token_ids()
+        if co_train
+        else (),  # every rank: the first stage sends their rows
+        draft_generator=torch.Generator().manual_seed(DRAFT_SEED),
         schedule=schedule,
         num_microbatches=num_microbatches,
         tap_transport=transport,
@@ -109,11 +116,29 @@ def run_pipeline_steps(
 def test_pipeline_step_equals_single_process(cp_pool, size, family, schedule, transport, num_microbatches, dtype):
     args = (size, family, schedule, transport, num_microbatches, True, dtype)
     per_rank = cp_pool.run(run_pipeline_steps, *args)[:size]
+    assert_pipeline_steps_equal_single_process(per_rank, family, dtype)
+
+
+@pytest.mark.parametrize(
+    "size, family, schedule, transport",
+    [(2, "llama", "1F1B", "channel"), (4, "qwen3", "GPipe", "relay")],
+)
+def test_pipeline_step_with_a_dflash_draft_equals_single_process(cp_pool, size, family, schedule, transport):
+    """DFlash's target layers lie on several stages; its blocks embed its mask token, whose row the first stage
+    sends over the channel each step (under relay too), and its anchors are drawn as one process draws them."""
+    args = (size, family, schedule, transport, 4, True, torch.float64, False, "dflash")
+    per_rank = cp_pool.run(run_pipeline_steps, *args)[:size]
+    assert_pipeline_steps_equal_single_process(per_rank, family, torch.float64, drafter="dflash")
+
+
+def assert_pipeline_steps_equal_single_process(per_rank, family: str, dtype: torch.dtype, drafter: str = "eagle3"):
+    """`run_pipeline_steps`' losses and gradients on every stage are one process's on the whole model."""
     rtol, atol = TOLERANCES[dtype]
+    generator = torch.Generator().manual_seed(DRAFT_SEED)  # the draft's stream, over both steps as the stage's
     for seed, shape in enumerate(BATCH_SHAPES):
         policy = build_policy(family, dtype)
-        draft = build_draft(policy)
-        loss, draft_out = reference_step(policy, draft, make_batch(seed, **shape))
+        draft = build_draft(policy, drafter)
+        loss, draft_out = reference_step(policy, draft, make_batch(seed, **shape), generator=generator)
         last = per_rank[-1][seed]
         assert last["loss"] == pytest.approx(loss.item(), rel=rtol, abs=atol)
         assert last["draft_loss"] == pytest.approx(draft_out.loss.item(), rel=rtol, abs=atol)
@@ -241,6 +266,9 @@ def run_bad_arguments() -> list[str]:
             PipelineCoTrainStep(
                 policy, group=group, draft=build_draft(policy), aux_layer_ids=(1, 3, 6), tap_transport="relay"
             )
+        dflash = build_draft(policy, "dflash")
+        with pytest.raises(ValueError, match=r"`embedded_token_ids`=\[\] differ .* the draft embeds itself, \[7\]"):
+            PipelineCoTrainStep(policy, group=group, draft=dflash, aux_layer_ids=draft_taps("dflash"))
     step = PipelineCoTrainStep(build_policy("llama"), group=group, num_microbatches=4)
     with pytest.raises(ValueError, match="not a multiple of `num_microbatches`=4"):
         step.step(make_batch(0, rows=6))

@@ -14,7 +14,7 @@ from cotrain_cases import (
     run_parallel_and_single,
     snapshot,
 )
-from pp_cotrain_script import run
+from pp_cotrain_script import DFLASH, run
 from torchrun_launch import run_torchrun
 from transformers import AutoModelForCausalLM
 
@@ -99,6 +99,41 @@ def test_four_pipeline_stages_equal_the_single_process_and_each_holds_its_share(
     assert whole == 2 * 4 * sum(p.numel() for p in single["policy_params"].values())  # float32 parameters, momenta
     for record in pp:
         assert record["held_bytes"] <= (1 / 4 + 0.15) * whole, (record["rank"], record["held_bytes"], whole)
+
+
+def assert_dflash_stages_equal_the_single_process(pp: list[dict], single: dict, saved_policy: Path) -> None:
+    """A DFlash run's stages reproduce the single process's steps (`assert_stages_equal_the_single_process`: policy,
+    draft, first rollouts drafted by the DFlash draft through the stages, saved policy), every draft metric DFlash
+    logs included; its tapped layers lie on several stages, so the channel carried taps of more than one."""
+    draft_taps = {layer_id + 1 for layer_id in DFLASH["dflash_target_layer_ids"]}  # vLLM's ids are outputs
+    stages_with_taps = [stage for stage, taps in enumerate(pp[0]["taps_of_stage"]) if draft_taps & set(taps)]
+    assert len(stages_with_taps) > 1 and stages_with_taps[0] < len(pp) - 1, pp[0]["taps_of_stage"]
+    assert_stages_equal_the_single_process(pp, single, saved_policy)
+    draft_metrics = [key for key in single["step_logs"][0] if key.startswith("draft/")]
+    assert {f"draft/loss_step_{d}" for d in range(3)} <= set(draft_metrics)  # the block's three mask positions
+    for record in pp:
+        assert_same_step_logs(record, single, draft_metrics)
+    # The mask token's embedding row trains with the policy: a row the first stage sent once would be stale later.
+    embedding, mask = "model.embed_tokens.weight", DFLASH["dflash_mask_token_id"]
+    assert not torch.equal(single["policy_start"][embedding][mask], single["policy_params"][embedding][mask])
+
+
+def test_pipeline_parallel_steps_with_a_dflash_draft_equal_the_single_process_steps(tmp_path, tiny_policy_dir):
+    """`drafter="dflash"` on 2 stages: taps of both stages reach the draft's; its blocks embed the mask token, whose
+    row the first stage sends every step; it draws its anchors as one process does, and drafts the rollouts."""
+    pp, single = run_parallel_and_single(SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="dflash")
+    assert_dflash_stages_equal_the_single_process(pp, single, tmp_path / "pp-dflash" / "final")
+
+
+def test_four_pipeline_stages_with_a_dflash_draft_equal_the_single_process(tmp_path, tiny_policy_dir):
+    """4 stages: the draft's taps come from stages 1, 2 and 3 (the embedding's and the mask row from stage 0), under
+    the relay transport (the channel carries the mask row alone), with a reduced draft vocabulary (its own lm_head,
+    built on the last stage and sent to the others)."""
+    pp, single = run_parallel_and_single(
+        SCRIPT, run, tiny_policy_dir, tmp_path, "pp", variant="dflash_4stages", nproc=4
+    )
+    assert single["draft_params"]["lm_head.weight"].shape[0] == 40  # a reduced vocabulary
+    assert_dflash_stages_equal_the_single_process(pp, single, tmp_path / "pp-dflash_4stages" / "final")
 
 
 # bnpo equals dapo in these steps (one generation batch per step, no accumulation): its whole-batch normaliser is

@@ -1,19 +1,22 @@
 """Speculative vLLM rollouts under pipeline parallelism (`vllm_mode="server"`): two GRPO steps on 2 gloo processes
 (torchrun, `pp_vllm_script.py`) whose rollouts come from one `hf-spec-cotrain vllm-serve`, into which every stage
-pushes its own weights as one transaction per weight set; step 1's push is refused on purpose and falls back to
-rollouts through the stages. The config's refusals of vLLM under pipeline parallelism (colocated, or TRL's own) are
+pushes its own weights as one transaction per weight set, with an EAGLE-3 or a DFlash draft; step 1's push is refused
+on purpose and falls back to rollouts through the stages. The config's refusals of vLLM under pipeline parallelism (colocated, or TRL's own) are
 in tests/test_config.py."""
 
 from pathlib import Path
 
 import pytest
+import torch
 from cotrain_cases import PROMPTS, assert_same_tensors, run_parallel_and_single, snapshot
+from pp_cotrain_script import DFLASH
 from pp_cotrain_script import run as run_pp_cotrain  # its single process is the reference
 from pp_vllm_script import FAILING_STEP, POISONED, SERVER_URL_ENV
 from transformers import AutoModelForCausalLM
 from vllm_server_utils import API_KEY, ServerProcess
 from vllm_test_utils import hf_greedy
 
+from hf_spec_cotrain.draft import DFlashDraftModel
 from hf_spec_cotrain.generation.client import WeightsVersion
 from hf_spec_cotrain.generation.protocol import API_KEY_ENV
 from hf_spec_cotrain.testing import build_char_tokenizer, build_pass_through_draft
@@ -24,13 +27,28 @@ SCRIPT = Path(__file__).with_name("pp_vllm_script.py")
 READBACK_TOKENS = 12
 
 
+def server_draft(policy, drafter: str):
+    """A draft of the trainer's family and shape, with another draft's weights."""
+    if drafter == "eagle3":
+        return build_pass_through_draft(policy, seed=3, noise=0.3, num_layers=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return DFlashDraftModel.from_target(
+            policy,
+            mask_token_id=DFLASH["dflash_mask_token_id"],
+            target_layer_ids=DFLASH["dflash_target_layer_ids"],
+            block_size=DFLASH["dflash_block_size"],
+        )
+
+
 @pytest.fixture
-def server(tiny_policy_dir, tmp_path, vllm_engine_pool):
-    """The package's server on the tiny policy, with a draft of the trainer's shape (another draft's weights)."""
+def server(tiny_policy_dir, tmp_path, vllm_engine_pool, drafter):
+    """The package's server on the tiny policy, with a draft of the trainer's family and shape (another draft's
+    weights)."""
     vllm_engine_pool.close()  # one vLLM engine at a time
     policy = AutoModelForCausalLM.from_pretrained(tiny_policy_dir)
     draft_dir = tmp_path / "server-draft"
-    build_pass_through_draft(policy, seed=3, noise=0.3, num_layers=1).save_pretrained(draft_dir)
+    server_draft(policy, drafter).save_pretrained(draft_dir)
     process = ServerProcess(tiny_policy_dir, tmp_path, draft_dir=draft_dir, api_key=API_KEY)
     try:
         process.start()
@@ -39,9 +57,15 @@ def server(tiny_policy_dir, tmp_path, vllm_engine_pool):
         process.stop()
 
 
-def test_pipeline_stages_push_into_the_server_and_roll_out_from_it(tmp_path, tiny_policy_dir, server):
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_pipeline_stages_push_into_the_server_and_roll_out_from_it(tmp_path, tiny_policy_dir, server, drafter):
+    """With either family the last stage pushes the draft it trains (DFlash: its block layers; the server's DFlash
+    reads the policy's embedding and lm_head that the stages pushed), and the server drafts the rollouts with it."""
     env = {SERVER_URL_ENV: server.base_url, API_KEY_ENV: API_KEY}
-    pp, single = run_parallel_and_single(SCRIPT, run_pp_cotrain, tiny_policy_dir, tmp_path, "pp", env=env)
+    variant = None if drafter == "eagle3" else drafter
+    pp, single = run_parallel_and_single(
+        SCRIPT, run_pp_cotrain, tiny_policy_dir, tmp_path, "pp", variant=variant, env=env
+    )
     start = AutoModelForCausalLM.from_pretrained(tiny_policy_dir).eval()
     full_names = set(start.state_dict())
 
@@ -80,6 +104,7 @@ def test_pipeline_stages_push_into_the_server_and_roll_out_from_it(tmp_path, tin
     # through the stages (no request to the server), logged as a fallback on every rank.
     assert not pp[0]["served"]
     assert [(call["step"], call["versions"]) for call in last["served"]] == [(0, (1, 1))]
+    assert last["served"][0]["num_drafts"] > 0  # drafted by the server's draft, the one the last stage pushed
     assert last["generated"][0] == last["served"][0]["completions"]
     assert len(last["generated"]) == 2 and len(last["generated"][1]) == len(last["generated"][0])
     for record in pp:
@@ -101,7 +126,8 @@ def test_pipeline_stages_push_into_the_server_and_roll_out_from_it(tmp_path, tin
     client = server.new_client()
     assert client.weights_version() == WeightsVersion(policy=2, draft=2)
     assert client._request("GET", "/weights/transactions")["transactions"] == []
-    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final").eval()
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / ("pp" if variant is None else f"pp-{variant}") / "final")
+    policy.eval()
     assert_same_tensors(snapshot(policy), single["policy_params"], "saved policy", relative_to_max=False)
     tokenizer = build_char_tokenizer()
     prompts = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in PROMPTS]

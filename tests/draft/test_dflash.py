@@ -120,6 +120,24 @@ def test_a_full_vocabulary_draft_reads_the_targets_head_and_a_reduced_one_owns_i
     assert reduced.lm_head.weight.requires_grad and reduced.lm_head.weight is not head
 
 
+def test_token_rows_stand_in_for_the_targets_embedding_of_the_mask_token(target):
+    """A pipeline's last stage holds no embedding: while `token_rows` binds the rows of `embedded_token_ids` (the
+    mask token's), the draft embeds that token from them and refuses any other."""
+    draft = make_draft(target)
+    assert draft.embedded_token_ids() == (MASK_TOKEN_ID,)
+    rows = torch.randn(1, target.config.hidden_size)
+    masks = torch.full((2, 3), MASK_TOKEN_ID)
+    with draft.token_rows(rows):
+        torch.testing.assert_close(draft.embed_input_ids(masks), rows[0].expand(2, 3, -1))
+        with pytest.raises(ValueError, match=rf"embeddings of tokens \[{MASK_TOKEN_ID}\] only .*not of \[5\]"):
+            draft.embed_input_ids(torch.tensor([[MASK_TOKEN_ID, 5]]))
+    # Outside the block the bound target's embedding again.
+    torch.testing.assert_close(draft.embed_input_ids(masks), target.get_input_embeddings().weight[masks])
+    with pytest.raises(ValueError, match=r"one embedding row per token of `embedded_token_ids` \[3\]"):
+        with draft.token_rows(torch.randn(2, target.config.hidden_size)):
+            pass
+
+
 def test_target_layer_ids_default_to_dflashs_spread_and_must_be_tappable(target):
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # z-lab's Qwen3-8B drafts
     assert default_target_layer_ids(36, 1) == (18,)

@@ -90,11 +90,3 @@ def test_more_tokens_per_round_than_the_block_is_refused_when_the_config_is_buil
         **tiny_grpo_kwargs(tmp_path), drafter="dflash", dflash_block_size=6, num_speculative_tokens="auto"
     )
     assert config.max_speculative_tokens == 5
-
-
-def test_dflash_under_pipeline_parallelism_is_refused_when_the_config_is_built(tmp_path):
-    """The last stage would fail at the first step: the mask token's embedding row is on the first stage."""
-    with pytest.raises(ValueError, match="`drafter`='dflash' does not train under pipeline parallelism.*'eagle3'"):
-        SpecCoTrainConfig(
-            **tiny_grpo_kwargs(tmp_path), drafter="dflash", pipeline_parallel_size=2, pipeline_num_microbatches=4
-        )
