@@ -6,19 +6,26 @@ import torch.distributed as dist
 
 from ..parallel.comm import is_context_parallel
 from .blockwise import BLOCK_SIZE, blockwise_branch_attention_func
-from .query_gather import gather_queries_branch_attention_func
-from .ring import allgather_branch_attention_func, ring_branch_attention_func
+from .query_gather import gather_queries_backward, gather_queries_forward
+from .ring import (
+    allgather_branch_attention_backward,
+    allgather_branch_attention_forward,
+    ring_branch_attention_backward,
+    ring_branch_attention_forward,
+    sharded_branch_attention,
+)
 
 
-CONTEXT_PARALLEL_FUNCS = {
-    "ring": ring_branch_attention_func,
-    "allgather": allgather_branch_attention_func,
-    "gather_queries": gather_queries_branch_attention_func,
+CONTEXT_PARALLEL_KERNELS = {
+    "ring": (ring_branch_attention_forward, ring_branch_attention_backward),
+    "allgather": (allgather_branch_attention_forward, allgather_branch_attention_backward),
+    "gather_queries": (gather_queries_forward, gather_queries_backward),
 }
-"""`branch_attention(..., cp_mode=...)` dispatches here when the context-parallel group has more than one rank."""
+"""The strategies `branch_attention(..., cp_mode=...)` runs (`sharded_branch_attention`) when the context-parallel group
+has more than one rank: each one's forward and backward."""
 
 
-CP_MODES = tuple(CONTEXT_PARALLEL_FUNCS)
+CP_MODES = tuple(CONTEXT_PARALLEL_KERNELS)
 """Context-parallel strategies: the zigzag ring (trunk K/V travel between neighbours, O(L/W) memory per rank) and
 the all-gather baseline (every rank gathers the whole trunk K/V, O(L) memory per rank)."""
 
@@ -74,7 +81,8 @@ def branch_attention(
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}.")
     if is_context_parallel(cp_group):
-        return CONTEXT_PARALLEL_FUNCS[cp_mode](
+        return sharded_branch_attention(
+            CONTEXT_PARALLEL_KERNELS[cp_mode],
             q,
             k,
             v,

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ..parallel.comm import all_gather_stacked, reduce_scatter_stacked
 from .blockwise import (
-    BLOCK_SIZE,
     add_branch_grads,
     add_branch_partial,
     add_sinks,
@@ -31,7 +30,6 @@ from .blockwise import (
     trunk_forward,
 )
 from .masks import block_spans
-from .ring import sharded_branch_attention
 
 
 def _gathered(tensor: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -56,6 +54,20 @@ def _query_counts(layout, device) -> list[int]:
     return all_gather_stacked(count, layout.group).flatten().tolist()
 
 
+def _against_own_keys(layout, positions: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> dict:
+    """`trunk_forward` / `trunk_backward` keyword arguments for queries at `positions` against this rank's shard."""
+    return {
+        "query_positions": positions,
+        "query_doc_ids": doc_ids,
+        "query_spans": block_spans(positions, doc_ids, block_size),
+        "key_positions": layout.positions[layout.rank],
+        "key_doc_ids": layout.doc_ids[layout.rank],
+        "key_spans": layout.spans[layout.rank],
+        "block_size": block_size,
+        "window": layout.window,
+    }
+
+
 def _attend_to_own_keys(queries, positions, doc_ids, counts, k, v, *, layout, scale, block_size, kernel_dtype):
     """Every rank's queries against this rank's trunk shard: partial `(out, lse)` stacked `[W, ...]`, padded."""
     outs, lses = empty_partial(queries)
@@ -68,15 +80,8 @@ def _attend_to_own_keys(queries, positions, doc_ids, counts, k, v, *, layout, sc
             k,
             v,
             scale=scale,
-            block_size=block_size,
-            query_positions=positions[source][rows],
-            query_doc_ids=doc_ids[source][rows],
-            query_spans=block_spans(positions[source][rows], doc_ids[source][rows], block_size),
-            key_positions=layout.positions[layout.rank],
-            key_doc_ids=layout.doc_ids[layout.rank],
-            key_spans=layout.spans[layout.rank],
             kernel_dtype=kernel_dtype,
-            window=layout.window,
+            **_against_own_keys(layout, positions[source][rows], doc_ids[source][rows], block_size),
         )
         outs[source][..., rows, :], lses[source][..., rows] = out, lse
     return outs, lses
@@ -138,53 +143,12 @@ def gather_queries_backward(dout, q, k, v, branch_k, branch_v, sinks, out, lse, 
             lses[source][..., rows],
             deltas[source][..., rows],
             scale=scale,
-            block_size=block_size,
             dq=dqs[source][..., rows, :],
             dk=dk,
             dv=dv,
-            query_positions=positions[source][rows],
-            query_doc_ids=doc_ids[source][rows],
-            query_spans=block_spans(positions[source][rows], doc_ids[source][rows], block_size),
-            key_positions=layout.positions[layout.rank],
-            key_doc_ids=layout.doc_ids[layout.rank],
-            key_spans=layout.spans[layout.rank],
-            window=layout.window,
+            **_against_own_keys(layout, positions[source][rows], doc_ids[source][rows], block_size),
         )
     dq = reduce_scatter_stacked(dqs, group)[..., : counts[layout.rank], :].contiguous()
     dbranch_k, dbranch_v = add_branch_grads(dout_grouped, q_grouped, branch_k, branch_v, lse, delta, dq, scale=scale)
     dsinks = sink_grads(sinks, lse, delta)
     return dq.flatten(1, 2).to(q.dtype), dk.to(k_dtype), dv.to(v_dtype), dbranch_k, dbranch_v, dsinks
-
-
-def gather_queries_branch_attention_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    branch_k: torch.Tensor | None = None,
-    branch_v: torch.Tensor | None = None,
-    *,
-    group: dist.ProcessGroup,
-    cu_seqlens: torch.Tensor | None = None,
-    scale: float | None = None,
-    block_size: int = BLOCK_SIZE,
-    query_index: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`branch_attention` on zigzag shards with the queries gathered (for queries at few positions, `query_index`);
-    every rank must call, an empty `query_index` included."""
-    return sharded_branch_attention(
-        (gather_queries_forward, gather_queries_backward),
-        q,
-        k,
-        v,
-        branch_k,
-        branch_v,
-        group=group,
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        block_size=block_size,
-        query_index=query_index,
-        sliding_window=sliding_window,
-        sinks=sinks,
-    )

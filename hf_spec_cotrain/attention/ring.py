@@ -22,8 +22,8 @@ A sliding window also skips whole ring steps (`ring_steps`): the K/V then hop ov
 needs (`RingComm` offsets), so a window shorter than a chunk costs 2 hops instead of W - 1. Attention sinks
 (one logit per query head, with no value) are merged once, after the last key (`add_sinks`).
 
-Layout, following ring-flash-attention: for each variant the forward, the backward, an autograd `Function`
-that only delegates, and a `*_func` wrapper that validates.
+Layout, following ring-flash-attention: for each variant the forward and the backward, side by side; one autograd
+`Function` that only delegates and one entry point that validates (`sharded_branch_attention`).
 """
 
 from dataclasses import dataclass
@@ -355,11 +355,25 @@ class ShardedBranchAttentionFunction(torch.autograd.Function):
 
 
 def sharded_branch_attention(
-    kernels, q, k, v, branch_k, branch_v, *, group, cu_seqlens, scale, block_size, query_index, sliding_window, sinks
-):
-    """Validate zigzag-sharded inputs (`cu_seqlens` global, `query_index` local), build the layout and run `kernels`
-    (a strategy's forward and backward: the ring's, the all-gather's, `query_gather`'s) through the autograd
-    function."""
+    kernels: tuple,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    branch_k: torch.Tensor | None = None,
+    branch_v: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_size: int = BLOCK_SIZE,
+    query_index: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`branch_attention` on zigzag shards with a strategy's `kernels` (its forward and backward: the ring's, the
+    all-gather's, `query_gather`'s), for any world size, 1 included; every rank must call, each with the local
+    positions of its own queries as `query_index` (an empty one included) if any. Validates the inputs (`cu_seqlens`
+    global, `query_index` local) and builds the layout."""
     branch_k, branch_v, scale = check_branch_attention_inputs(
         q,
         k,
@@ -389,70 +403,3 @@ def sharded_branch_attention(
         query_index=query_index,
     )
     return ShardedBranchAttentionFunction.apply(q, k, v, branch_k, branch_v, sinks, layout, scale, block_size, kernels)
-
-
-def ring_branch_attention_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    branch_k: torch.Tensor | None = None,
-    branch_v: torch.Tensor | None = None,
-    *,
-    group: dist.ProcessGroup,
-    cu_seqlens: torch.Tensor | None = None,
-    scale: float | None = None,
-    block_size: int = BLOCK_SIZE,
-    query_index: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`branch_attention` on zigzag shards with the ring (any world size, 1 included); every rank must call, each with
-    the local positions of its own queries as `query_index` (an empty one included) if any."""
-    return sharded_branch_attention(
-        (ring_branch_attention_forward, ring_branch_attention_backward),
-        q,
-        k,
-        v,
-        branch_k,
-        branch_v,
-        group=group,
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        block_size=block_size,
-        query_index=query_index,
-        sliding_window=sliding_window,
-        sinks=sinks,
-    )
-
-
-def allgather_branch_attention_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    branch_k: torch.Tensor | None = None,
-    branch_v: torch.Tensor | None = None,
-    *,
-    group: dist.ProcessGroup,
-    cu_seqlens: torch.Tensor | None = None,
-    scale: float | None = None,
-    block_size: int = BLOCK_SIZE,
-    query_index: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`branch_attention` on zigzag shards with the all-gather-K/V baseline; every rank must call."""
-    return sharded_branch_attention(
-        (allgather_branch_attention_forward, allgather_branch_attention_backward),
-        q,
-        k,
-        v,
-        branch_k,
-        branch_v,
-        group=group,
-        cu_seqlens=cu_seqlens,
-        scale=scale,
-        block_size=block_size,
-        query_index=query_index,
-        sliding_window=sliding_window,
-        sinks=sinks,
-    )

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from process_pool import subgroup
 
 from hf_spec_cotrain.attention import blockwise, branch_attention, branch_attention_reference
-from hf_spec_cotrain.attention.api import CONTEXT_PARALLEL_FUNCS, CP_MODES
+from hf_spec_cotrain.attention.api import CONTEXT_PARALLEL_KERNELS, CP_MODES
+from hf_spec_cotrain.attention.ring import sharded_branch_attention
 from hf_spec_cotrain.parallel import zigzag_shard
 from hf_spec_cotrain.parallel.comm import RingComm
 from hf_spec_cotrain.parallel.zigzag import ring_steps, zigzag_indices
@@ -87,10 +88,10 @@ def outputs_and_grads(fn, inputs: dict, upstream: torch.Tensor, **kwargs) -> lis
 
 
 def context_parallel_attention(group: dist.ProcessGroup, mode: str):
-    """The public entry for W > 1; the ring/all-gather functions themselves for W = 1 (branch_attention would take
+    """The public entry for W > 1; the strategy itself for W = 1 (branch_attention would take
     the single-device path)."""
     if dist.get_world_size(group) == 1:
-        return lambda **kwargs: CONTEXT_PARALLEL_FUNCS[mode](**kwargs, group=group)
+        return lambda **kwargs: sharded_branch_attention(CONTEXT_PARALLEL_KERNELS[mode], **kwargs, group=group)
     return lambda **kwargs: branch_attention(**kwargs, cp_group=group, cp_mode=mode)
 
 
