@@ -40,6 +40,7 @@ from transformers.models.auto import modeling_auto
 
 __all__ = [
     "SUPPORTED_FAMILIES",
+    "TOOL_CALLING_CHARACTERS",
     "build_char_tokenizer",
     "build_pass_through_draft",
     "build_tiny_target",
@@ -138,7 +139,49 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+# A compact tool-calling template for the character tokenizer (few tokens per turn, so multi-turn rollouts stay cheap on
+# a CPU): the user's turn is "u:<content>\n", the assistant's ">" then its text, then each tool call as
+# "[name key=value ...]", then EOS; a tool's result "|<content>\n". The tools are not rendered into the prompt.
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    ">{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "[{{ call['function']['name'] }}"
+    "{% for key, value in call['function']['arguments'].items() %} {{ key }}={{ value }}{% endfor %}]"
+    "{% endfor %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}|{{ message['content'] }}\n"
+    "{% else %}{{ message['role'][0] }}:{{ message['content'] }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+# How transformers' `parse_response` reads the assistant's turn back (tool calls with their arguments, typed by the
+# tool's schema), as TRL's tool loop needs it.
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": ">",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\[(?P<name>\w+)",
+            "close_pattern": r"\]",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {
+                "tag_pattern": r" (?P<key>\w+)=(?P<value>[^ \]]*)",
+                "value_parser": {"name": "json", "args": {"allow_non_json": True}},
+            },
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": EOS_TOKEN, "content": "text"},
+    },
+}
+# What the tool-calling template writes besides the messages (an alphabet needs them, and the tools' names).
+TOOL_CALLING_CHARACTERS = "u:>[]=| \n"
+
+
+def build_char_tokenizer(alphabet: str | None = None, *, tool_calling: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0-3 are `<pad>`, `<s>`, `</s>`, `<unk>`, then one id per character.
 
     `alphabet` (ASCII) defaults to printable ASCII plus newline, without other whitespace control
@@ -146,6 +189,10 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     Characters outside the alphabet map to `<unk>` (one per UTF-8 byte; a folder that transformers
     reloads as a Qwen2 tokenizer drops them instead). No special token is added on encoding; the chat
     template starts with `<s>`.
+
+    ``tool_calling``: a chat template that renders tool calls and tool results compactly, and the response template
+    that parses the assistant's tool calls back (what TRL's ``tools`` and ``environment_factory`` rollouts need); the
+    alphabet must hold `TOOL_CALLING_CHARACTERS` and the tools' names.
 
     It is a byte-level BPE without merges: for ASCII that is one token per character, and it is the
     pipeline transformers rebuilds when it forces its own tokenizer class on a saved folder (it does
@@ -172,6 +219,11 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    if tool_calling:
+        missing = sorted(set(TOOL_CALLING_CHARACTERS) - set(alphabet))
+        if missing:
+            raise ValueError(f"A tool-calling tokenizer's alphabet needs the template's characters {missing}.")
+        tokenizer.chat_template, tokenizer.response_template = TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
     return tokenizer
 
 
