@@ -455,6 +455,28 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ rollouts
 
+    def _generate(self, prompts):
+        """A batch of rollouts, every turn of it: the turns' ``spec/*`` metrics are logged once for the batch,
+        weighted by what each measured; with tools, ``tools/turns_per_rollout`` too (assistant turns per rollout)."""
+        with self.rollouts.generation_batch(step=self.state.global_step, training=self.model.training):
+            generated = super()._generate(prompts)
+        if self.tools:
+            completions = generated[3]
+            turns = [
+                sum(message.get("role") == "assistant" for message in rollout) if isinstance(rollout, list) else 1
+                for rollout in completions
+            ]
+            totals = self.accelerator.gather(torch.tensor([[sum(turns), len(turns)]], device=self.accelerator.device))
+            turns_total, rollouts_total = totals.sum(0).tolist()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["tools/turns_per_rollout"].append(turns_total / max(rollouts_total, 1))
+        return generated
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's tool loop, timed less its turns' generation (``time/tool_calls``)."""
+        with self.step_times.measure("tool_calls", excluding="generation"):
+            return super()._tool_call_loop(*args, **kwargs)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Speculative turns from the rollouts; plain ones from TRL's generation, or from the rollouts where no rank
         holds the whole policy (pipeline parallelism)."""

@@ -19,6 +19,7 @@ from hf_spec_cotrain.draft import DRAFTER_FAMILIES
 from hf_spec_cotrain.parallel import ParallelDims
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target
 from hf_spec_cotrain.training.rollout_backends import check_greedy_tokens
+from hf_spec_cotrain.training.timing import PARTS
 
 
 PROMPTS = ["abc", "hello", "xyz!", "spec", "draft", "Q: 2+2?", "one two", "GRPO"]
@@ -100,7 +101,7 @@ def test_auto_speculation_logs_its_choice_and_where_the_time_goes(policy_dir, tm
         assert entry["spec/predicted_speedup"] > 0 and entry["spec/measured_speedup"] > 0
         # A step whose rounds all decoded plainly (K = 0) logs no acceptance (tests/training/test_rollout_metrics.py).
         assert ("spec/accepted_per_position_3" in entry) == ("spec/acceptance_length" in entry)
-        parts = [entry[f"time/{part}"] for part in ("generation", "draft_training", "weight_sync", "policy_training")]
+        parts = [entry[f"time/{part}"] for part in (*PARTS, "policy_training")]
         assert all(seconds >= 0 for seconds in parts) and entry["time/weight_sync"] == 0  # HF-native: no engine
         assert entry["time/generation"] > 0 and entry["time/draft_training"] > 0
         assert sum(parts) == pytest.approx(entry["time/step"])

@@ -19,13 +19,13 @@ logger = logging.get_logger(__name__)
 
 class PipelinedRanks:
     """Every rank's prompts gathered to the driver, which runs the turn (``generate_all``) while the other stages
-    serve its forwards; each rank gets back its own rows, and the turn's ``spec/*`` metrics and acceptance history so
-    that every rank logs them."""
+    serve its forwards; each rank gets back its own rows. Only the driver counts the turn's ``spec/*`` counters: the
+    batch's sum over the ranks (`SpeculativeRollouts.generation_batch`) gives every rank its metrics."""
 
     def __init__(self, pipeline: PipelinedTarget, *, process_index: int, num_processes: int):
         self.pipeline, self.process_index, self.num_processes = pipeline, process_index, num_processes
 
-    def generate(self, prompt_ids, generate_all: Callable, *, metrics: dict, acceptance_history: list):
+    def generate(self, prompt_ids, generate_all: Callable):
         per_rank = [None] * self.num_processes
         dist.all_gather_object(per_rank, prompt_ids)
         driver = self.pipeline.driver
@@ -35,13 +35,7 @@ class PipelinedRanks:
             dist.broadcast_object_list(results, src=driver)
             if isinstance(results[0], Exception):
                 raise RuntimeError("The last stage's rollouts failed (its traceback is in its log).") from results[0]
-            rows, spec_metrics, acceptance = results[0]
-            for (mode, name), values in spec_metrics.items():
-                metrics[mode][name].extend(values)
-            acceptance_history.extend(acceptance)
-            return rows[self.process_index]
-        logged = spec_metric_counts(metrics)
-        history = len(acceptance_history)
+            return results[0][self.process_index]
         results = [None]
         try:
             everyone = [ids for ids in per_rank for ids in ids]
@@ -51,11 +45,7 @@ class PipelinedRanks:
                 (completions[start:end], None if logprobs is None else logprobs[start:end])
                 for start, end in zip(bounds[:-1], bounds[1:])
             ]
-            spec_metrics = {
-                (mode, name): metrics[mode][name][logged.get((mode, name), 0) :]
-                for mode, name in spec_metric_counts(metrics)
-            }
-            results = [(rows, spec_metrics, acceptance_history[history:])]
+            results = [rows]
             return rows[-1]
         except Exception as error:
             results = [RuntimeError(f"{type(error).__name__}: {error}")]
@@ -63,16 +53,6 @@ class PipelinedRanks:
         finally:
             self.pipeline.finish()
             dist.broadcast_object_list(results, src=driver)
-
-
-def spec_metric_counts(metrics: dict) -> dict[tuple[str, str], int]:
-    """How many values each ``spec/*`` metric holds, by (mode, name)."""
-    return {
-        (mode, name): len(values)
-        for mode in metrics
-        for name, values in metrics[mode].items()
-        if name.startswith("spec/")
-    }
 
 
 class PipelinedServerBackend(ServerBackend):
@@ -146,4 +126,4 @@ class PipelinedServerBackend(ServerBackend):
         raise WeightSyncError(f"{restarted} The stages push their weights again before the next turn.") from restarted
 
 
-__all__ = ["PipelinedRanks", "PipelinedServerBackend", "spec_metric_counts"]
+__all__ = ["PipelinedRanks", "PipelinedServerBackend"]

@@ -127,9 +127,20 @@ class HFNativeBackend:
         self.draft, self.sampling, self.policy, self.speculation = draft, sampling, policy, speculation
         self.seed, self.draft_sampling, self.device, self.process_index = seed, draft_sampling, device, process_index
         self.pipeline = pipeline
+        self._calls: dict[tuple[int, int], int] = {}  # (step, mode): calls so far, this step's only
 
     def prepare(self, step: int) -> None:
         """Nothing to sync: the generator runs on the trained weights themselves."""
+
+    def call_generator(self, step: int, *, training: bool) -> torch.Generator:
+        """This call's randomness, from (seed, step, rank, mode, call): a resumed run samples exactly the rollouts
+        the uninterrupted run would have, and each call of a step (a multi-turn rollout's turns, a step's later
+        batches) draws afresh, as the policy's law requires, rather than reusing the first call's draws."""
+        mode = 0 if training else 1
+        calls = {key: count for key, count in self._calls.items() if key[0] == step}  # older steps are done
+        index = calls.get((step, mode), 0)
+        self._calls = {**calls, (step, mode): index + 1}
+        return seeded_generator(self.seed, step, self.process_index, mode, index, device=self.device)
 
     def probe(self, num_speculative_tokens: int) -> None:
         """Run a few greedy speculative rounds of ``num_speculative_tokens`` on two short prompts of different
@@ -171,10 +182,7 @@ class HFNativeBackend:
 
         padded_ids = left_padded([torch.tensor(ids) for ids in prompt_ids], sampling.pad_token_id)
         attention_mask = left_padded([torch.ones(len(ids), dtype=torch.long) for ids in prompt_ids], 0)
-        # Rollout randomness from (seed, step, rank) rather than the global RNG: a resumed run samples exactly
-        # the rollouts the uninterrupted run would have.
-        mode_offset = 0 if training else 1
-        generator = seeded_generator(self.seed, step, self.process_index, mode_offset, device=device)
+        generator = self.call_generator(step, training=training)
         started = time.perf_counter()
         with self.policy() as model, torch.no_grad():
             out = speculative_generate(

@@ -4,13 +4,16 @@ measure; `build_rollouts` builds them with the backends of the run's path (`trai
 
 A turn runs on the speculative backend (HF-native, pipelined HF-native, colocated vLLM, a server, a server that the
 pipeline's stages push into); adaptive speculation may choose the plain backend for a batch instead, and a turn that
-fails falls back to it (logged and counted in ``spec/fallback``); each turn logs the ``spec/*`` metrics. An engine
-that cannot be reached stops the run (`EngineUnavailableError`).
+fails falls back to it (logged and counted in ``spec/fallback``). The turns of one batch of rollouts (a multi-turn
+rollout's tool turns included: `SpeculativeRollouts.generation_batch`) add up their counters, and the batch logs the
+``spec/*`` metrics once, weighted by tokens and verifications. An engine that cannot be reached stops the run
+(`EngineUnavailableError`).
 """
 
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -46,8 +49,44 @@ FALLBACKS_BEFORE_ERROR = 3
 class ThisProcess:
     """Each process generates its own rows."""
 
-    def generate(self, prompt_ids, generate_all: Callable, *, metrics: dict, acceptance_history: list):
+    def generate(self, prompt_ids, generate_all: Callable):
         return generate_all(prompt_ids)
+
+
+@dataclass
+class BatchCounters:
+    """What the speculative turns of one batch of rollouts add up to on this process: summed over its turns, then
+    over the processes, so that every ``spec/*`` value of the batch is weighted by what it measures (acceptance by
+    verifications, throughput by tokens and seconds, K and the speed-ups by decoding rounds)."""
+
+    turns: int = 0
+    fallbacks: int = 0
+    drafts: float = 0.0
+    accepted: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+    row_rounds: float = 0.0  # decoding rounds summed over rows
+    plain_row_rounds: float = 0.0  # those of them with K = 0
+    k_sum: float = 0.0  # K summed over row rounds
+    predicted_rows: float = 0.0  # row rounds the cost model predicted a speed-up for, and the sum of its predictions
+    predicted_sum: float = 0.0
+    measured_rows: float = 0.0
+    measured_sum: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
+
+    def as_list(self, k: int) -> list[float]:
+        """The counters as one vector of a fixed length (every process sends as many values)."""
+        per_position = [*self.accepted_per_position[:k], *[0.0] * (k - len(self.accepted_per_position[:k]))]
+        return [float(getattr(self, name)) for name in self.scalars()] + per_position
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> "BatchCounters":
+        names = cls.scalars()
+        return cls(**dict(zip(names, values[: len(names)])), accepted_per_position=list(values[len(names) :]))
+
+    @classmethod
+    def scalars(cls) -> list[str]:
+        return [item.name for item in fields(cls) if item.name != "accepted_per_position"]
 
 
 class SpeculativeRollouts:
@@ -89,6 +128,8 @@ class SpeculativeRollouts:
         self.generates_for_all_ranks = isinstance(self.ranks, PipelinedRanks)
         self.generates_plain_turns = generates_plain_turns
         self.acceptance_history: list[tuple[int, float]] = []
+        self._last_history_counts: tuple[float, float] | None = None  # (drafts, accepted) of the last entry
+        self._batch: BatchCounters | None = None
         self._fallbacks_in_a_row = 0
 
     def check_can_serve(self, policy: nn.Module) -> None:
@@ -146,14 +187,30 @@ class SpeculativeRollouts:
     ) -> tuple[list[list[int]], list | None]:
         """Completions of one turn (and their log-probs where the plain backend returns them): speculative with this
         step's draft, or plain (``speculative=False``) where the trainer's plain turns run here too."""
-        if speculative:
-            self.backend.prepare(step)  # on every rank: the pipeline's stages push their weights together
-        return self.ranks.generate(
-            prompt_ids,
-            lambda rows: self.turn(rows, step=step, training=training, speculative=speculative),
-            metrics=self.metrics,
-            acceptance_history=self.acceptance_history,
-        )
+        with self.generation_batch(step=step, training=training):
+            if speculative:
+                self.backend.prepare(step)  # on every rank: the pipeline's stages push their weights together
+            return self.ranks.generate(
+                prompt_ids, lambda rows: self.turn(rows, step=step, training=training, speculative=speculative)
+            )
+
+    @contextmanager
+    def generation_batch(self, *, step: int, training: bool) -> Iterator[None]:
+        """One batch of rollouts, every turn of it (the trainer opens it around TRL's ``_generate``, whose tool loop
+        runs a turn per tool call): the turns add up their counters, and on leaving, the ``spec/*`` metrics get one
+        value each and the acceptance history one entry, weighted by what each turn measured. A turn outside any
+        batch is its own. Every process must enter and leave it (leaving sums the counters over the processes);
+        nested, it is the outer one."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = BatchCounters()
+        try:
+            yield
+            batch = self._batch
+        finally:
+            self._batch = None
+        self._log_batch(batch, step=step, training=training)
 
     def turn(self, prompt_ids: list[list[int]], *, step: int, training: bool, speculative: bool = True):
         """This process's turn over `prompt_ids`: on the plain backend when adaptive speculation expects plain
@@ -183,18 +240,11 @@ class SpeculativeRollouts:
                     f"Speculative rollouts have failed {FALLBACKS_BEFORE_ERROR} times in a row: this run is training "
                     "WITHOUT speculation (spec/fallback counts the plain turns). The last failure is above."
                 )
-            self.metrics["train" if training else "eval"]["spec/fallback"].append(1.0)
+            self._batch.fallbacks += 1
             turn = self.plain.generate(prompt_ids, step=step, training=training)
             return turn.completions, turn.logprobs
         self._observe(turn, len(prompt_ids), plain=plain)
-        self._log_metrics(
-            turn.counters,
-            sum(map(len, turn.completions)),
-            turn.seconds,
-            step=step,
-            training=training,
-            engine_call=turn.engine_call,
-        )
+        self._count(turn.counters, sum(map(len, turn.completions)), turn.seconds, engine_call=turn.engine_call)
         return turn.completions, turn.logprobs
 
     def _observe(self, turn: BackendTurn, batch_size: int, *, plain: bool) -> None:
@@ -203,73 +253,80 @@ class SpeculativeRollouts:
             num_tokens = sum(map(len, turn.completions))
             self.speculation.observe_call(batch_size, plain=plain, seconds=turn.seconds, num_tokens=num_tokens)
 
-    def _log_metrics(
-        self,
-        counters,
-        num_tokens: int,
-        elapsed: float,
-        *,
-        step: int,
-        training: bool,
-        engine_call: tuple[int, int] | None = None,
-    ) -> None:
-        """``spec/*`` from one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`), summed over the processes
-        that generated. Acceptance is over the rounds that drafted (K >= 1): a turn that drafted nothing logs none
-        (TRL's `log` then averages the turns that did), and the rounds of K = 0 are counted apart, in
-        ``spec/plain_round_share``. The acceptance history gets one entry per training turn, NaN for a turn that
-        drafted nothing."""
-        mode = "train" if training else "eval"
-        k = self.args.max_draft_tokens
-        per_position = [float(a) for a in counters.accepted_per_position][:k]
+    def _count(self, counters, num_tokens: int, elapsed: float, *, engine_call: tuple[int, int] | None = None):
+        """Add one turn's counters (`SpeculativeOutput` or `SpecDecodeStats`) to the open batch. Acceptance is over
+        the rounds that drafted (K >= 1); the rounds of K = 0 are counted apart, for ``spec/plain_round_share``."""
+        batch = self._batch
         row_rounds, plain_row_rounds = _row_rounds(counters, num_tokens, engine_call)
-        local = torch.tensor(
-            [
-                counters.num_drafts,
-                counters.num_accepted_tokens,
-                num_tokens,
-                elapsed,
-                row_rounds,
-                plain_row_rounds,
-                *per_position,
-                *[0.0] * (k - len(per_position)),  # a call of a smaller K: every process sends as many values
-            ],
-            device=self.accelerator.device,
-        )
-        total = (local if self.generates_for_all_ranks else gather(local.unsqueeze(0)).sum(0)).tolist()
-        drafts, accepted, tokens, seconds, row_rounds, plain_row_rounds = total[:6]
-        generating_processes = 1 if self.generates_for_all_ranks else self.accelerator.num_processes
-        metrics = self.metrics[mode]
-        acceptance = math.nan
-        if drafts:
-            acceptance = 1.0 + accepted / drafts
-            metrics["spec/acceptance_length"].append(acceptance)
-            for position, accepted_at in enumerate(total[6:]):
-                metrics[f"spec/accepted_per_position_{position}"].append(accepted_at / drafts)
-        if row_rounds:
-            metrics["spec/plain_round_share"].append(plain_row_rounds / row_rounds)
-        metrics["spec/tokens_per_second"].append(tokens / (seconds / generating_processes))
-        for name, value in self._speculation_metrics(counters, engine_call).items():
-            metrics[name].append(value)
-        if training:
-            # `step` is TRL's global_step, still the previous one while rollouts run: the step they feed is the next,
-            # numbered from 1 as TRL logs it.
-            self.acceptance_history.append((step + 1, acceptance))
-
-    def _speculation_metrics(self, counters, engine_call: tuple[int, int] | None) -> dict[str, float]:
-        """This process's K (averaged over rows and rounds) and, under adaptive speculation, the cost model's
-        predicted speed-up over plain decoding and the measured one where both were run. ``engine_call``: a vLLM
-        call's (batch size, K)."""
-        rounds = counters.rounds if isinstance(counters, SpeculativeOutput) else [engine_call]
-        if not rounds:
-            return {}
-        values = {"spec/num_speculative_tokens": _row_weighted_mean([(live, k) for live, k in rounds])}
+        batch.turns += 1
+        batch.drafts += counters.num_drafts
+        batch.accepted += counters.num_accepted_tokens
+        batch.tokens += num_tokens
+        batch.seconds += elapsed
+        batch.row_rounds += row_rounds
+        batch.plain_row_rounds += plain_row_rounds
+        per_position = [float(a) for a in counters.accepted_per_position][: self.args.max_draft_tokens]
+        grown = max(len(per_position) - len(batch.accepted_per_position), 0)
+        batch.accepted_per_position += [0.0] * grown
+        for position, accepted_at in enumerate(per_position):
+            batch.accepted_per_position[position] += accepted_at
+        # (row rounds, live rows, K) of each round: an engine's or a plain call is one round of its batch and K,
+        # weighted by the row rounds it ran
+        if isinstance(counters, SpeculativeOutput):
+            rounds = [(live, live, k) for live, k in counters.rounds]
+        else:
+            rounds = [(row_rounds, *engine_call)]
+        batch.k_sum += sum(weight * k for weight, _, k in rounds)
         if isinstance(self.speculation, AdaptiveSpeculation):
             model = self.speculation
             for name, estimate in (("predicted", model.predicted_speedup), ("measured", model.measured_speedup)):
-                mean = _row_weighted_mean([(live, estimate(live, k)) for live, k in rounds])
-                if not math.isnan(mean):
-                    values[f"spec/{name}_speedup"] = mean
-        return values
+                known = [(weight, value) for weight, live, k in rounds if not math.isnan(value := estimate(live, k))]
+                setattr(batch, f"{name}_rows", getattr(batch, f"{name}_rows") + sum(weight for weight, _ in known))
+                setattr(batch, f"{name}_sum", getattr(batch, f"{name}_sum") + sum(weight * v for weight, v in known))
+
+    def _log_batch(self, batch: BatchCounters, *, step: int, training: bool) -> None:
+        """The batch's ``spec/*`` metrics, its counters summed over the processes that generated, and its entry in
+        the acceptance history (training batches; NaN for a batch that drafted nothing). A batch that drafted
+        nothing logs no acceptance (TRL's `log` then averages the batches that did)."""
+        k = self.args.max_draft_tokens
+        local = torch.tensor(batch.as_list(k), device=self.accelerator.device, dtype=torch.float64)
+        # Under pipeline parallelism only the driver counted: the sum over the world is its counters, on every rank.
+        total = BatchCounters.from_list(gather(local.unsqueeze(0)).sum(0).tolist())
+        metrics = self.metrics["train" if training else "eval"]
+        if total.fallbacks:
+            metrics["spec/fallback"].append(total.fallbacks)
+        if not total.turns:
+            return
+        acceptance = math.nan
+        if total.drafts:
+            acceptance = 1.0 + total.accepted / total.drafts
+            metrics["spec/acceptance_length"].append(acceptance)
+            for position, accepted_at in enumerate(total.accepted_per_position):
+                metrics[f"spec/accepted_per_position_{position}"].append(accepted_at / total.drafts)
+        if total.row_rounds:
+            metrics["spec/plain_round_share"].append(total.plain_row_rounds / total.row_rounds)
+            metrics["spec/num_speculative_tokens"].append(total.k_sum / total.row_rounds)
+        generating_processes = 1 if self.generates_for_all_ranks else self.accelerator.num_processes
+        if total.seconds:
+            metrics["spec/tokens_per_second"].append(total.tokens / (total.seconds / generating_processes))
+        for name in ("predicted", "measured"):
+            if getattr(total, f"{name}_rows"):
+                metrics[f"spec/{name}_speedup"].append(getattr(total, f"{name}_sum") / getattr(total, f"{name}_rows"))
+        if training:
+            self._add_to_history(step, total)
+
+    def _add_to_history(self, step: int, total: BatchCounters) -> None:
+        """One acceptance entry per optimizer step: a step's later batch (steps_per_generation below the
+        accumulation steps) merges into its entry, weighted by verifications."""
+        # `step` is TRL's global_step, still the previous one while rollouts run: the step they feed is the next,
+        # numbered from 1 as TRL logs it.
+        step += 1
+        drafts, accepted = total.drafts, total.accepted
+        if self.acceptance_history and self.acceptance_history[-1][0] == step and self._last_history_counts:
+            self.acceptance_history.pop()
+            drafts, accepted = drafts + self._last_history_counts[0], accepted + self._last_history_counts[1]
+        self._last_history_counts = (drafts, accepted)
+        self.acceptance_history.append((step, 1.0 + accepted / drafts if drafts else math.nan))
 
 
 def _row_rounds(counters, num_tokens: int, engine_call: tuple[int, int] | None) -> tuple[int, int]:
@@ -280,12 +337,6 @@ def _row_rounds(counters, num_tokens: int, engine_call: tuple[int, int] | None) 
     _, k = engine_call
     row_steps = engine_row_steps(counters, k, num_tokens)
     return row_steps, 0 if k else row_steps
-
-
-def _row_weighted_mean(values: list[tuple[int, float]]) -> float:
-    """Mean of per-round values weighted by the round's live rows, NaN values (not measured) left out."""
-    known = [(rows, value) for rows, value in values if not math.isnan(value)]
-    return sum(rows * value for rows, value in known) / sum(rows for rows, _ in known) if known else math.nan
 
 
 def build_rollouts(

@@ -3,9 +3,10 @@
 TRL logs ``step_time`` (its training step, generation included) but not how it splits; RL runs are tuned on that
 split. Parts are timed where they run and summed per optimizer step: ``time/generation`` (rollouts, speculative or
 plain; the syncs they start excluded), ``time/draft_training`` (the draft's TTT and its update),
-``time/weight_sync`` (pushing weights into a rollout engine), ``time/step`` (the training steps and the draft's
-update) and ``time/policy_training`` (the rest of ``time/step``: the policy's forward and backward, rewards,
-bookkeeping).
+``time/weight_sync`` (pushing weights into a rollout engine), ``time/tool_calls`` (the tool loop of multi-turn
+rollouts less its turns' generation: the tools themselves, their results' tokenization and parsing), ``time/step`` (the
+training steps and the draft's update) and ``time/policy_training`` (the rest of ``time/step``: the policy's forward
+and backward, rewards, bookkeeping).
 """
 
 import time
@@ -18,7 +19,7 @@ from transformers import TrainerCallback
 
 __all__ = ["StepTimes", "StepTimesCallback"]
 
-PARTS = ("generation", "draft_training", "weight_sync")
+PARTS = ("generation", "draft_training", "weight_sync", "tool_calls")
 
 
 class StepTimes:
@@ -30,17 +31,19 @@ class StepTimes:
         self._open: set[str] = set()
 
     @contextmanager
-    def measure(self, part: str) -> Iterator[None]:
-        """Add the block's wall time to ``part`` (a block nested in the same part is counted once)."""
+    def measure(self, part: str, *, excluding: str | None = None) -> Iterator[None]:
+        """Add the block's wall time to ``part`` (a block nested in the same part is counted once), less what the
+        part ``excluding`` measured inside it."""
         if part in self._open:
             yield
             return
         self._open.add(part)
-        started = time.perf_counter()
+        started, excluded = time.perf_counter(), self.seconds.get(excluding, 0.0)
         try:
             yield
         finally:
-            self.seconds[part] += time.perf_counter() - started
+            inside = self.seconds.get(excluding, 0.0) - excluded
+            self.seconds[part] += time.perf_counter() - started - inside
             self._open.discard(part)
 
     def log(self) -> None:
