@@ -33,6 +33,13 @@ def check_parallel_options(
         _check_shard_draft(config, pipeline_parallel=pipeline_parallel, fsdp=fsdp, fsdp_version=fsdp_version)
     if pipeline_parallel:
         _check_pipeline_parallel_options(config, deepspeed=deepspeed, fsdp=fsdp, peft=peft, tools=tools)
+    if tools and fsdp and config.speculative_decoding and not config.use_vllm:
+        raise ValueError(
+            "Tool calls with HF-native speculative rollouts of an FSDP-sharded policy are not supported: each turn "
+            "gathers the sharded policy on every rank (a collective), but TRL's tool loop runs as many turns on a rank "
+            "as its own rollouts call tools, so the ranks would wait on each other for ever. Use use_vllm=True (the "
+            "engine takes the weights once per step), or a policy that is not sharded."
+        )
     if config.draft_train_fraction < 1 and (context_parallel or pipeline_parallel):
         raise ValueError(
             f"`draft_train_fraction`={config.draft_train_fraction} cannot be combined with `context_parallel_size` "

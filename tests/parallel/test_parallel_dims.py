@@ -105,7 +105,11 @@ def test_from_config_adds_the_run_time_facts(tmp_path):
     with pytest.raises(ValueError, match="does not support tool calls"):
         ParallelDims.from_config(pp, world_size=2, tools=True)
     # Facts that only matter to a parallelism the run does not use are not errors.
-    assert ParallelDims.from_config(_config(tmp_path), world_size=3, peft=True, tools=True, fsdp=True).dp == 3
+    assert ParallelDims.from_config(_config(tmp_path), world_size=3, peft=True, tools=True).dp == 3
+    # Each HF-native turn gathers a sharded policy, a collective; the tool loop's turns differ between ranks.
+    with pytest.raises(ValueError, match="Tool calls with HF-native speculative rollouts of an FSDP-sharded policy"):
+        ParallelDims.from_config(_config(tmp_path), world_size=2, tools=True, fsdp=True)
+    assert ParallelDims.from_config(_config(tmp_path, speculative_decoding=False), world_size=2, tools=True, fsdp=True)
 
 
 def test_context_parallel_sizes_come_from_accelerates_parallelism_config(tmp_path, monkeypatch):
