@@ -1,0 +1,72 @@
+"""Multi-turn (tool-calling) rollouts through `SpecCoTrainGRPOTrainer.train()` with HF-native speculative rollouts:
+TRL's tool loop (``tools``, ``environment_factory``) runs every turn speculative, the draft never trains on the tool's
+results, greedy speculative conversations are plain TRL's, and a conversation that reaches
+``max_completion_length`` is cut as TRL cuts it. The colocated vLLM engine's are in test_tool_rollouts_vllm.py."""
+
+import pytest
+from tool_policy import (
+    assert_multi_turn_and_speculative,
+    prompt_sum,
+    record_tool_run,
+    taught_completion,
+    tool_trainer,
+)
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [2, "auto"])
+@pytest.mark.parametrize("environment", [False, True], ids=["tools", "environment_factory"])
+def test_every_turn_speculates_and_the_draft_never_trains_on_tool_results(
+    environment, num_speculative_tokens, tool_policy_dir, tmp_path
+):
+    trainer = tool_trainer(
+        tool_policy_dir, tmp_path, environment=environment, num_speculative_tokens=num_speculative_tokens
+    )
+    record = record_tool_run(trainer)
+    trainer.train()
+    assert_multi_turn_and_speculative(trainer, record)
+    if environment:
+        assert sum(environment.calls for environment in trainer.environments) > 0
+
+
+@pytest.mark.parametrize("environment", [False, True], ids=["tools", "environment_factory"])
+def test_greedy_speculative_conversations_are_plain_trls(environment, tool_policy_dir, tmp_path):
+    """``top_k=1``: every turn's tokens are the policy's argmax, so a speculative run's conversations (tool calls, tool
+    results, answers, and which tokens the loss masks) equal those of TRL's plain turns on the same prompts. (At
+    temperature 2 a turn that sampled instead would differ.)"""
+    runs, trainers = {}, {}
+    for speculative in (True, False):
+        trainer = tool_trainer(
+            tool_policy_dir,
+            tmp_path / str(speculative),
+            environment=environment,
+            top_k=1,
+            temperature=2.0,
+            num_speculative_tokens=2,
+            speculative_decoding=speculative,
+        )
+        record = record_tool_run(trainer)
+        trainer.train()
+        runs[speculative], trainers[speculative] = record, trainer
+    assert_multi_turn_and_speculative(trainers[True], runs[True])
+    assert runs[False].speculative_turns == 0 and len(runs[False].turns) == len(runs[True].turns)
+    assert runs[True].conversations == runs[False].conversations
+
+
+def test_a_conversation_that_reaches_max_completion_length_is_cut_as_trl_cuts_it(tool_policy_dir, tmp_path):
+    """A tool result that would take the completion past ``max_completion_length`` is dropped (the row leaves the
+    loop after its tool call); one that fits is kept and the answer after it cut at the limit, as TRL's tool loop does
+    for any backend; every turn speculates."""
+    # Step 1, 3+4: "[add a=3 b=4]</s>" and "|7\n>" fill the 18 tokens, the answer is cut to nothing. Step 2, 9+8:
+    # "|17\n>" would take "[add a=9 b=8]</s>" to 19 tokens, so it is dropped.
+    limit = 18
+    trainer = tool_trainer(tool_policy_dir, tmp_path, top_k=1, max_completion_length=limit, num_speculative_tokens=2)
+    record = record_tool_run(trainer)
+    trainer.train()
+    assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
+    assert record.speculative_turns == len(record.turns)
+    tokenizer = trainer.processing_class
+    for prompt_ids, completion_ids, _ in record.conversations:
+        for prompt, completion in zip(prompt_ids, completion_ids):
+            call, result, answer = taught_completion(tokenizer, *prompt_sum(tokenizer, prompt))
+            expected = call if len(call) + len(result) > limit else (call + result + answer)[:limit]
+            assert completion == expected
