@@ -63,7 +63,8 @@ logger = logging.get_logger(__name__)
 
 @contextmanager
 def _hidden_from(args, values: dict):
-    """`args` with `values` in place of its own fields for the duration (TRL's __init__), restored after."""
+    """`args` with `values` in place of its own fields for the duration (TRL's __init__, its tool loop), restored
+    after."""
     saved = {name: getattr(args, name) for name in values}
     for name, value in values.items():
         setattr(args, name, value)
@@ -469,6 +470,17 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             return self.rollouts.generate(
                 prompt_ids, step=self.state.global_step, training=self.model.training, speculative=speculative
             )
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's tool loop drops a tool result that would take a conversation past the rollout backend's context,
+        which it reads from the policy's ``max_position_embeddings`` unless TRL owns the vLLM engine: it sees the
+        package's colocated engine's (``vllm_max_model_length``) where that is smaller, as TRL's own engine's."""
+        ceiling = self.rollouts.context_ceiling
+        config = self.model.config.get_text_config()
+        if ceiling is None or ceiling >= config.max_position_embeddings:
+            return super()._tool_call_loop(*args, **kwargs)
+        with _hidden_from(config, {"max_position_embeddings": ceiling}):
+            return super()._tool_call_loop(*args, **kwargs)
 
     def _trl_generation(self, prompt_ids):
         """TRL's plain generation of a text-only turn: the speculative rollouts' plain backend."""

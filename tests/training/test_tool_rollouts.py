@@ -1,7 +1,10 @@
 """Multi-turn (tool-calling) rollouts through `SpecCoTrainGRPOTrainer.train()` with HF-native speculative rollouts:
 TRL's tool loop (``tools``, ``environment_factory``) runs every turn speculative, the draft never trains on the tool's
 results, greedy speculative conversations are plain TRL's, and a conversation that reaches
-``max_completion_length`` is cut as TRL cuts it. The colocated vLLM engine's are in test_tool_rollouts_vllm.py."""
+``max_completion_length``, or an engine's context, is cut as TRL cuts it. The colocated vLLM engine's are in
+test_tool_rollouts_vllm.py."""
+
+from types import SimpleNamespace
 
 import pytest
 from tool_policy import (
@@ -70,3 +73,32 @@ def test_a_conversation_that_reaches_max_completion_length_is_cut_as_trl_cuts_it
             call, result, answer = taught_completion(tokenizer, *prompt_sum(tokenizer, prompt))
             expected = call if len(call) + len(result) > limit else (call + result + answer)[:limit]
             assert completion == expected
+
+
+def test_the_tool_loop_sees_an_engines_context_below_the_policys(tool_policy_dir, tmp_path):
+    """Rollouts on an engine of the package's whose context (27 tokens; a stand-in engine here: its context is all
+    the loop reads) is below the policy's ``max_position_embeddings``: TRL's tool loop drops a tool result that would
+    fill it (9+8: the 8-token prompt, "[add a=9 b=8]</s>" and "|17\\n>" make 27) and keeps one that fits (3+4: 26),
+    as it does for an engine of its own; the policy's config is left as it was. A prompt that fills the context is
+    refused, naming ``vllm_max_model_length``, rather than falling back to plain generation at every step."""
+    ceiling = 27
+    trainer = tool_trainer(tool_policy_dir, tmp_path, top_k=1, num_speculative_tokens=2)
+    trainer.rollouts.engine = SimpleNamespace(max_model_len=ceiling)
+    positions = trainer.model.config.max_position_embeddings
+    assert positions > ceiling
+    record = record_tool_run(trainer)
+    trainer.train()
+    assert trainer.model.config.max_position_embeddings == positions
+    assert not any("spec/fallback" in entry for entry in trainer.state.log_history)
+    assert record.speculative_turns == len(record.turns) == 3  # 3+4 ran its second turn, 9+8 did not
+    tokenizer = trainer.processing_class
+    for prompt_ids, completion_ids, _ in record.conversations:
+        for prompt, completion in zip(prompt_ids, completion_ids):
+            call, result, answer = taught_completion(tokenizer, *prompt_sum(tokenizer, prompt))
+            kept = len(prompt) + len(call) + len(result) < ceiling
+            assert completion == (call + result + answer if kept else call)
+
+    too_long = [tokenizer.bos_token_id] + tokenizer("u:" + "1" * ceiling, add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match=rf"{len(too_long)} tokens.*vllm_max_model_length={ceiling}"):
+        trainer._generate_single_turn([too_long], None, {}, 1)
+    assert "spec/fallback" not in trainer._metrics["train"]
