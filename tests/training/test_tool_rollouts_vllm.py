@@ -41,8 +41,9 @@ def _train(trainer):
 def test_every_engine_turn_speculates_and_greedy_conversations_are_plain_trls(
     environment, num_speculative_tokens, tool_policy_dir, tmp_path, vllm_engine_pool
 ):
-    """``top_k=1`` (at temperature 2, where a turn that sampled would differ) on the colocated engine: the tool is called, every turn speculates, the draft trains without the
-    tool's results, and the conversations equal those of TRL's plain (HF) turns on the same prompts and weights."""
+    """``top_k=1`` (at temperature 2, where a turn that sampled would differ) on the colocated engine: the tool is
+    called, every turn speculates, the draft trains without the tool's results, and the conversations equal those of
+    TRL's plain (HF) turns on the same prompts and weights."""
     vllm_engine_pool.close()
     common = dict(environment=environment, top_k=1, temperature=2.0, num_speculative_tokens=num_speculative_tokens)
     trainer = tool_trainer(tool_policy_dir, tmp_path / "vllm", vllm_max_model_length=64, **COLOCATED, **common)
