@@ -16,6 +16,9 @@ from tool_policy import (
 )
 
 
+pytestmark = pytest.mark.filterwarnings("ignore:You are using 'environment_factory'")
+
+
 @pytest.mark.parametrize("num_speculative_tokens", [2, "auto"])
 @pytest.mark.parametrize("environment", [False, True], ids=["tools", "environment_factory"])
 def test_every_turn_speculates_and_the_draft_never_trains_on_tool_results(
