@@ -63,7 +63,8 @@ logger = logging.get_logger(__name__)
 
 @contextmanager
 def _hidden_from(args, values: dict):
-    """`args` with `values` in place of its own fields for the duration (TRL's __init__), restored after."""
+    """`args` with `values` in place of its own fields for the duration (TRL's __init__, its tool loop), restored
+    after."""
     saved = {name: getattr(args, name) for name in values}
     for name, value in values.items():
         setattr(args, name, value)
@@ -472,11 +473,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["tools/turns_per_rollout"].append(turns_total / max(rollouts_total, 1))
         return generated
 
-    def _tool_call_loop(self, *args, **kwargs):
-        """TRL's tool loop, timed less its turns' generation (``time/tool_calls``)."""
-        with self.step_times.measure("tool_calls", excluding="generation"):
-            return super()._tool_call_loop(*args, **kwargs)
-
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Speculative turns from the rollouts; plain ones from TRL's generation, or from the rollouts where no rank
         holds the whole policy (pipeline parallelism)."""
@@ -491,6 +487,19 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
             return self.rollouts.generate(
                 prompt_ids, step=self.state.global_step, training=self.model.training, speculative=speculative
             )
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's tool loop, timed less its turns' generation (``time/tool_calls``). It drops a tool result that would
+        take a conversation past the rollout backend's context, which it reads from the policy's
+        ``max_position_embeddings`` unless TRL owns the vLLM engine: it sees the package's colocated engine's
+        (``vllm_max_model_length``) where that is smaller, as TRL's own engine's."""
+        ceiling = self.rollouts.context_ceiling
+        config = self.model.config.get_text_config()
+        engine_context = {}
+        if ceiling is not None and ceiling < config.max_position_embeddings:
+            engine_context = {"max_position_embeddings": ceiling}
+        with self.step_times.measure("tool_calls", excluding="generation"), _hidden_from(config, engine_context):
+            return super()._tool_call_loop(*args, **kwargs)
 
     def _trl_generation(self, prompt_ids):
         """TRL's plain generation of a text-only turn: the speculative rollouts' plain backend."""

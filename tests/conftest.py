@@ -53,6 +53,14 @@ def tiny_policy_dir(tmp_path_factory) -> Path:
     return save_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
 
 
+@pytest.fixture(scope="session")
+def tool_policy_dir(tmp_path_factory) -> Path:
+    """The folder of the tiny policy taught to call an ``add`` tool (tests/tool_policy.py), written on first use."""
+    from tool_policy import save_tool_policy  # imports the trainer: only for the tests that use it
+
+    return save_tool_policy(tmp_path_factory.mktemp("tool-policy"))
+
+
 @dataclass
 class TinyDrafts:
     """Two different drafts ("a", "b") per vocabulary ("reduced", "full"), saved and as state dicts."""

@@ -176,6 +176,8 @@ class VLLMRolloutEngine:
         self._set_num_threads = torch.set_num_threads
         self.verify_syncs = verify_syncs
         self.llm = vllm.LLM(model=str(model), **kwargs)
+        # The most tokens a sequence (prompt and completion) may hold: `max_model_len`, or what vLLM inferred.
+        self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
         if draft_model is not None or "speculative_config" in llm_kwargs:
             for repair in SAMPLING_REPAIRS:
                 done = self.llm.collective_rpc(repair)[0]

@@ -176,6 +176,27 @@ class SpeculativeRollouts:
                 f"to plain generation: {error}. Instead, {instead}."
             ) from error
 
+    @property
+    def context_ceiling(self) -> int | None:
+        """The most tokens a conversation may hold in this process's colocated engine (``vllm_max_model_length``,
+        or what vLLM inferred from the policy); None without one: HF-native rollouts, or a server's client, which
+        does not know the server's limit (TRL's tool loop does not read its own server's either)."""
+        return getattr(self.engine, "max_model_len", None)
+
+    def check_fits_context(self, prompt_ids: list[list[int]]) -> None:
+        """Refuse a prompt that leaves no room in the engine's context for one generated token: vLLM would refuse it
+        at every step, each step falling back to plain generation. (TRL's tool loop keeps the later turns of a
+        conversation within the ceiling: `SpecCoTrainGRPOTrainer._tool_call_loop`.)"""
+        ceiling = self.context_ceiling
+        longest = max(map(len, prompt_ids), default=0)
+        if ceiling is not None and longest >= ceiling:
+            raise ValueError(
+                f"A rollout prompt of {longest} tokens leaves no room in the colocated vLLM engine's context "
+                f"(vllm_max_model_length={ceiling} tokens, prompt and completion together): vLLM refuses it, and "
+                f"every step would fall back to plain generation. Set vllm_max_model_length above {longest} (at most "
+                "the policy's max_position_embeddings), or shorten the prompts."
+            )
+
     @contextmanager
     def policy_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy's weights under HF names, LoRA adapters merged in (and unmerged afterwards)."""
@@ -219,6 +240,7 @@ class SpeculativeRollouts:
         if not speculative:
             turn = self.plain.generate(prompt_ids, step=step, training=training)
             return turn.completions, turn.logprobs
+        self.check_fits_context(prompt_ids)
         try:
             adaptive = isinstance(self.speculation, AdaptiveSpeculation)
             if self.engine is None and adaptive and self.speculation.prefers_plain(len(prompt_ids)):

@@ -26,8 +26,8 @@ from hf_spec_cotrain.training import rollout_backends
 
 _seeded_generator = rollout_backends.seeded_generator
 # The rollouts' random numbers without the generating rank (the last stage under pipeline parallelism, 0 in one process).
-rollout_backends.seeded_generator = lambda seed, step, rank, mode, device=None: _seeded_generator(
-    seed, step, 0, mode, device=device
+rollout_backends.seeded_generator = lambda seed, step, rank, *call, device=None: _seeded_generator(
+    seed, step, 0, *call, device=device
 )
 
 
