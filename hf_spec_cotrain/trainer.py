@@ -53,7 +53,7 @@ from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback
 from .training.pipeline_parallel import load_pipeline_stage
 from .training.policy_support import check_trl_can_train
 from .training.rollout_backends import RolloutSampling, build_rollout_engine
-from .training.rollouts import build_rollouts
+from .training.rollouts import build_rollouts, conversation_budget
 from .training.strategy import GRPOLoss, build_parallel_strategy, unwrapped_hf
 from .training.timing import StepTimes, StepTimesCallback
 
@@ -96,6 +96,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "hf_spec_cotrain"]  # and the draft's family (`drafter_name`), added once built
     _saving_checkpoint = False  # True inside `_save_checkpoint`: `save_model` then writes the draft too
+    _tool_loop_prompts = None  # inside TRL's tool loop: the batch's prompt ids, whose conversations its turns extend
 
     def __init__(self, model, reward_funcs=None, args: SpecCoTrainConfig | None = None, *, draft_model=None, **kwargs):
         if args is None:
@@ -484,22 +485,34 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 )
             if images is not None or multimodal_fields:
                 raise ValueError("Pipeline parallelism supports text-only rollouts.")
+            max_tokens = None
+            if self._tool_loop_prompts is not None:  # a later turn: no more than the conversation's budget leaves
+                max_tokens = conversation_budget(prompt_ids, self._tool_loop_prompts, self.max_completion_length)
             return self.rollouts.generate(
-                prompt_ids, step=self.state.global_step, training=self.model.training, speculative=speculative
+                prompt_ids,
+                step=self.state.global_step,
+                training=self.model.training,
+                speculative=speculative,
+                max_tokens=max_tokens,
             )
 
-    def _tool_call_loop(self, *args, **kwargs):
-        """TRL's tool loop, timed less its turns' generation (``time/tool_calls``). It drops a tool result that would
-        take a conversation past the rollout backend's context, which it reads from the policy's
-        ``max_position_embeddings`` unless TRL owns the vLLM engine: it sees the package's colocated engine's
-        (``vllm_max_model_length``) where that is smaller, as TRL's own engine's."""
+    def _tool_call_loop(self, prompts, prompt_ids, *args):
+        """TRL's tool loop, timed less its turns' generation (``time/tool_calls``); its turns ask for no more tokens
+        than their conversation's budget leaves (TRL cuts the rest after a turn, `conversation_budget`). It drops a
+        tool result that would take a conversation past the rollout backend's context, which it reads from the
+        policy's ``max_position_embeddings`` unless TRL owns the vLLM engine: it sees the package's colocated
+        engine's (``vllm_max_model_length``) where that is smaller, as TRL's own engine's."""
         ceiling = self.rollouts.context_ceiling
         config = self.model.config.get_text_config()
         engine_context = {}
         if ceiling is not None and ceiling < config.max_position_embeddings:
             engine_context = {"max_position_embeddings": ceiling}
-        with self.step_times.measure("tool_calls", excluding="generation"), _hidden_from(config, engine_context):
-            return super()._tool_call_loop(*args, **kwargs)
+        self._tool_loop_prompts = prompt_ids
+        try:
+            with self.step_times.measure("tool_calls", excluding="generation"), _hidden_from(config, engine_context):
+                return super()._tool_call_loop(prompts, prompt_ids, *args)
+        finally:
+            self._tool_loop_prompts = None
 
     def _trl_generation(self, prompt_ids):
         """TRL's plain generation of a text-only turn: the speculative rollouts' plain backend."""

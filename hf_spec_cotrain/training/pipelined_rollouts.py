@@ -111,16 +111,18 @@ class PipelinedServerBackend(ServerBackend):
         except Exception:
             pass
 
-    def engine_turn(self, prompt_ids, *, step: int) -> BackendTurn:
+    def engine_turn(self, prompt_ids, *, step: int, max_tokens: int | None = None) -> BackendTurn:
         if step != self.synced_step or self.restart_seen:
             # The stages' push (`prepare`) failed, or the server restarted since: plain pipelined rollouts.
             raise WeightSyncError(
                 f"The rollout server does not hold step {step}'s weights ({self.push_error}); the policy and the "
                 "draft are untouched."
             )
-        return super().engine_turn(prompt_ids, step=step)
+        return super().engine_turn(prompt_ids, step=step, max_tokens=max_tokens)
 
-    def after_restart(self, restarted: EngineRestartedError, prompt_ids, *, step: int) -> BackendTurn:
+    def after_restart(
+        self, restarted: EngineRestartedError, prompt_ids, *, step: int, max_tokens: int | None = None
+    ) -> BackendTurn:
         """The stages push together, before the next turn: this one falls back to plain until then."""
         self.restart_seen, self.push_error = True, f"the server restarted since: {restarted}"
         raise WeightSyncError(f"{restarted} The stages push their weights again before the next turn.") from restarted

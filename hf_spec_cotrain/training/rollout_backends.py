@@ -100,7 +100,10 @@ class TRLGeneration:
     def prepare(self, step: int) -> None:
         """Nothing to sync before a turn."""
 
-    def generate(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> BackendTurn:
+    def generate(
+        self, prompt_ids: list[list[int]], *, step: int, training: bool, max_tokens: int | None = None
+    ) -> BackendTurn:
+        """TRL's turn at TRL's own budget (``max_tokens`` is left to TRL, which cuts a tool-loop turn after it)."""
         started = time.perf_counter()
         completions, logprobs = self._generate(prompt_ids)
         elapsed = time.perf_counter() - started
@@ -171,8 +174,11 @@ class HFNativeBackend:
             logits = model(input_ids=sequence).logits[0, len(prompts[0]) - 1 : -1]
         check_greedy_tokens(sequence[0, len(prompts[0]) :], logits)
 
-    def generate(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> BackendTurn:
-        """The completions (up to and including the first EOS), the generator's output and the seconds it took."""
+    def generate(
+        self, prompt_ids: list[list[int]], *, step: int, training: bool, max_tokens: int | None = None
+    ) -> BackendTurn:
+        """The completions (up to and including the first EOS, at most ``max_tokens``: by default the sampling's), the
+        generator's output and the seconds it took."""
         sampling, device = self.sampling, self.device
 
         def left_padded(rows: list[torch.Tensor], value: int) -> torch.Tensor:
@@ -190,7 +196,7 @@ class HFNativeBackend:
                 self.draft,
                 padded_ids,
                 attention_mask,
-                max_new_tokens=sampling.max_tokens,
+                max_new_tokens=max_tokens or sampling.max_tokens,
                 num_speculative_tokens=self.speculation,
                 do_sample=True,
                 temperature=sampling.temperature,
@@ -245,20 +251,24 @@ class VLLMBackend:
     def prepare(self, step: int) -> None:
         """Nothing before the turn: the turn itself pushes this step's weights."""
 
-    def generate(self, prompt_ids: list[list[int]], *, step: int, training: bool) -> BackendTurn:
+    def generate(
+        self, prompt_ids: list[list[int]], *, step: int, training: bool, max_tokens: int | None = None
+    ) -> BackendTurn:
         try:
             try:
-                return self.engine_turn(prompt_ids, step=step)
+                return self.engine_turn(prompt_ids, step=step, max_tokens=max_tokens)
             except EngineRestartedError as restarted:
-                return self.after_restart(restarted, prompt_ids, step=step)
+                return self.after_restart(restarted, prompt_ids, step=step, max_tokens=max_tokens)
         except EngineUnavailableError as error:
             raise self.stopped(error, step) from error
 
-    def after_restart(self, restarted: EngineRestartedError, prompt_ids, *, step: int) -> BackendTurn:
+    def after_restart(
+        self, restarted: EngineRestartedError, prompt_ids, *, step: int, max_tokens: int | None = None
+    ) -> BackendTurn:
         """Push the policy and the draft again, then serve the turn."""
         logger.warning(f"{restarted} Pushing the policy and the draft again, then serving this turn.")
         self.synced_step = -1
-        return self.engine_turn(prompt_ids, step=step)
+        return self.engine_turn(prompt_ids, step=step, max_tokens=max_tokens)
 
     def stopped(self, error: EngineUnavailableError, step: int) -> EngineUnavailableError:
         """The error that stops the run once the engine cannot be reached, saying how to resume."""
@@ -267,7 +277,7 @@ class VLLMBackend:
             "Once the server is back, resume with resume_from_checkpoint=True."
         )
 
-    def engine_turn(self, prompt_ids: list[list[int]], *, step: int) -> BackendTurn:
+    def engine_turn(self, prompt_ids: list[list[int]], *, step: int, max_tokens: int | None = None) -> BackendTurn:
         if step != self.synced_step:
             with self.step_times.measure("weight_sync"):
                 self.sync()
@@ -277,7 +287,7 @@ class VLLMBackend:
         started = time.perf_counter()
         out = self.engine.generate(
             prompt_ids,
-            max_tokens=sampling.max_tokens,
+            max_tokens=max_tokens or sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -326,14 +336,16 @@ class ServerBackend(VLLMBackend):
                 pass
         self.accelerator.wait_for_everyone()
 
-    def after_restart(self, restarted: EngineRestartedError, prompt_ids, *, step: int) -> BackendTurn:
+    def after_restart(
+        self, restarted: EngineRestartedError, prompt_ids, *, step: int, max_tokens: int | None = None
+    ) -> BackendTurn:
         if self.accelerator.num_processes > 1:
             raise EngineRestartedError(
                 f"{restarted} {self.accelerator.num_processes} training processes share this server and "
                 "push into it from the main one only, between steps: the run cannot re-sync it now. Resume "
                 "from the last checkpoint (resume_from_checkpoint=True)."
             ) from restarted
-        return super().after_restart(restarted, prompt_ids, step=step)
+        return super().after_restart(restarted, prompt_ids, step=step, max_tokens=max_tokens)
 
 
 def observe_engine_call(

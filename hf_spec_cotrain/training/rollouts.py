@@ -204,15 +204,25 @@ class SpeculativeRollouts:
             yield weights
 
     def generate(
-        self, prompt_ids: list[list[int]], *, step: int, training: bool, speculative: bool = True
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        step: int,
+        training: bool,
+        speculative: bool = True,
+        max_tokens: int | None = None,
     ) -> tuple[list[list[int]], list | None]:
         """Completions of one turn (and their log-probs where the plain backend returns them): speculative with this
-        step's draft, or plain (``speculative=False``) where the trainer's plain turns run here too."""
+        step's draft, or plain (``speculative=False``) where the trainer's plain turns run here too; at most
+        ``max_tokens`` each (default: the sampling's budget)."""
         with self.generation_batch(step=step, training=training):
             if speculative:
                 self.backend.prepare(step)  # on every rank: the pipeline's stages push their weights together
             return self.ranks.generate(
-                prompt_ids, lambda rows: self.turn(rows, step=step, training=training, speculative=speculative)
+                prompt_ids,
+                lambda rows: self.turn(
+                    rows, step=step, training=training, speculative=speculative, max_tokens=max_tokens
+                ),
             )
 
     @contextmanager
@@ -233,23 +243,32 @@ class SpeculativeRollouts:
             self._batch = None
         self._log_batch(batch, step=step, training=training)
 
-    def turn(self, prompt_ids: list[list[int]], *, step: int, training: bool, speculative: bool = True):
+    def turn(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        step: int,
+        training: bool,
+        speculative: bool = True,
+        max_tokens: int | None = None,
+    ):
         """This process's turn over `prompt_ids`: on the plain backend when adaptive speculation expects plain
         decoding to be fastest for this batch, or when the speculative turn fails, so the run goes on and loses
         nothing."""
+        budget = dict(step=step, training=training, max_tokens=max_tokens)
         if not speculative:
-            turn = self.plain.generate(prompt_ids, step=step, training=training)
+            turn = self.plain.generate(prompt_ids, **budget)
             return turn.completions, turn.logprobs
         self.check_fits_context(prompt_ids)
         try:
             adaptive = isinstance(self.speculation, AdaptiveSpeculation)
             if self.engine is None and adaptive and self.speculation.prefers_plain(len(prompt_ids)):
-                turn = self.plain.generate(prompt_ids, step=step, training=training)
+                turn = self.plain.generate(prompt_ids, **budget)
                 # Logged as one plain call, whatever decoded it.
                 turn.counters, turn.engine_call = SpecDecodeStats(), (len(prompt_ids), 0)
                 plain = True
             else:
-                turn = self.backend.generate(prompt_ids, step=step, training=training)
+                turn = self.backend.generate(prompt_ids, **budget)
                 plain = False
             self._fallbacks_in_a_row = 0
         except (EngineUnavailableError, EngineRestartedError):
@@ -263,7 +282,7 @@ class SpeculativeRollouts:
                     "WITHOUT speculation (spec/fallback counts the plain turns). The last failure is above."
                 )
             self._batch.fallbacks += 1
-            turn = self.plain.generate(prompt_ids, step=step, training=training)
+            turn = self.plain.generate(prompt_ids, **budget)
             return turn.completions, turn.logprobs
         self._observe(turn, len(prompt_ids), plain=plain)
         self._count(turn.counters, sum(map(len, turn.completions)), turn.seconds, engine_call=turn.engine_call)
@@ -361,6 +380,22 @@ def _row_rounds(counters, num_tokens: int, engine_call: tuple[int, int] | None) 
     return row_steps, 0 if k else row_steps
 
 
+def conversation_budget(rows: list[list[int]], prompts: list[list[int]], max_completion_length: int) -> int:
+    """The most new tokens of a tool-loop turn that TRL keeps: each row is a conversation that began with one of the
+    batch's ``prompts`` and may hold ``max_completion_length`` tokens after it (TRL cuts the rest after the turn), so
+    the turn needs no more than its roomiest row's rest. A row that no prompt begins, or that several do (the
+    shortest taken), never gets less than TRL keeps; at least 1."""
+    starts = {tuple(prompt) for prompt in prompts}
+    lengths = sorted({len(prompt) for prompt in prompts})
+    rest = 1
+    for row in rows:
+        start = next((length for length in lengths if tuple(row[:length]) in starts), None)
+        if start is None:
+            return max_completion_length
+        rest = max(rest, max_completion_length - (len(row) - start))
+    return min(rest, max_completion_length)
+
+
 def build_rollouts(
     draft: DraftModel,
     args,
@@ -441,4 +476,4 @@ def build_rollouts(
     )
 
 
-__all__ = ["SpeculativeRollouts", "ThisProcess", "build_rollouts"]
+__all__ = ["SpeculativeRollouts", "ThisProcess", "build_rollouts", "conversation_budget"]

@@ -52,7 +52,7 @@ class Backend:
     def prepare(self, step):
         self.calls.append(("prepare", step))
 
-    def generate(self, prompt_ids, *, step, training):
+    def generate(self, prompt_ids, *, step, training, max_tokens=None):
         self.calls.append(("generate", step))
         if self.error is not None:
             raise self.error

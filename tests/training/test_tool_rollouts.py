@@ -8,12 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 from tool_policy import (
+    COMPLETION_TOKENS,
     assert_multi_turn_and_speculative,
     prompt_sum,
     record_tool_run,
     taught_completion,
     tool_trainer,
 )
+
+from hf_spec_cotrain.training.rollouts import conversation_budget
 
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'environment_factory'")
@@ -139,3 +142,35 @@ def test_a_multi_turn_step_logs_its_turns_once_weighted_by_what_each_measured(to
         parts = ("generation", "draft_training", "weight_sync", "tool_calls", "policy_training")
         assert sum(entry[f"time/{part}"] for part in parts) == pytest.approx(entry["time/step"])
     assert [step for step, _ in trainer.rollouts.acceptance_history] == [entry["step"] for entry in steps]
+
+
+def test_a_later_turn_asks_for_no_more_than_its_conversations_budget_leaves():
+    """The rows of a tool-loop turn extend the batch's prompts; TRL keeps at most ``max_completion_length`` tokens
+    after a prompt, so the turn asks for its roomiest row's rest; a row no prompt begins gets the whole budget."""
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5]]
+    assert conversation_budget([[1, 2, 3, 9, 9, 9, 9], [4, 5, 9, 9]], prompts, 10) == 8
+    assert conversation_budget([[1, 2, 3, *[9] * 10]], prompts, 10) == 1  # nothing left: one token, cut by TRL
+    assert conversation_budget([[7, 7, 7, 7]], prompts, 10) == 10
+    # a row two prompts begin (one a prefix of the other) takes the shorter: the larger rest
+    assert conversation_budget([[1, 2, 3, 4, 9]], [[1, 2], [1, 2, 3, 4]], 10) == 7
+
+
+def test_the_answer_turn_asks_for_the_budget_the_conversation_leaves(tool_policy_dir, tmp_path):
+    """In the loop the answer turn asks for what the call and the tool's result leave of ``max_completion_length``
+    (TRL would cut the rest), the first turn for all of it; the conversations stay TRL's (the greedy test above)."""
+    trainer = tool_trainer(tool_policy_dir, tmp_path, num_speculative_tokens=2)
+    asked, generate = [], trainer.rollouts.generate
+
+    def recorded(prompt_ids, **kwargs):
+        asked.append((prompt_ids, kwargs["max_tokens"]))
+        return generate(prompt_ids, **kwargs)
+
+    trainer.rollouts.generate = recorded
+    trainer.train()
+    limit = COMPLETION_TOKENS + 4
+    assert len(asked) == 2 * trainer.args.max_steps  # each step: the call turn, then the answer turn
+    assert [max_tokens for _, max_tokens in asked[::2]] == [None] * trainer.args.max_steps
+    for (first, _), (second, max_tokens) in zip(asked[::2], asked[1::2]):
+        # one prompt per step: a row's conversation so far is its call and the tool's result after that prompt
+        assert all(row[: len(first[0])] == first[0] for row in second)
+        assert max_tokens == limit - min(len(row) - len(first[0]) for row in second) < limit
