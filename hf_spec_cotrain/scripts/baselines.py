@@ -1,21 +1,34 @@
 """The main job's baselines: plain TRL GRPO, and plain GRPO on a colocated vLLM engine without a draft, both timed
 with the same ``time/*`` split as `SpecCoTrainGRPOTrainer` so that their steps compare part by part."""
 
+import functools
 import time
 
+import torch
 from trl import GRPOTrainer
 
 from ..training import StepTimes, StepTimesCallback
 
 
 class TimedGRPOTrainer(GRPOTrainer):
-    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput and the same ``time/*``
-    split of its steps as `SpecCoTrainGRPOTrainer`."""
+    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput (over all of a step's
+    turns), the same ``time/*`` split of its steps as `SpecCoTrainGRPOTrainer` (the tools' own time in
+    ``tool_calls``) and, with tools, the assistant turns per rollout (``tools/turns_per_rollout``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.step_times = StepTimes(self._metrics)
         self.add_callback(StepTimesCallback(self.step_times))
+        self._standalone_tools = [self._timed_tool(tool) for tool in self._standalone_tools]
+        self._rollout_totals = (-1, 0, 0.0)  # the step, its turns' tokens and seconds
+
+    def _timed_tool(self, tool):
+        @functools.wraps(tool)  # TRL reads the tool's name, signature and docstring
+        def timed(*args, **kwargs):
+            with self.step_times.measure("tool_calls"):
+                return tool(*args, **kwargs)
+
+        return timed
 
     def training_step(self, *args, **kwargs):
         with self.step_times.measure("step"):
@@ -27,9 +40,25 @@ class TimedGRPOTrainer(GRPOTrainer):
             started = time.perf_counter()
             completions, logprobs = self._rollouts(prompt_ids, *args, **kwargs)
             seconds = time.perf_counter() - started
-        tokens = sum(map(len, completions))
-        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"].append(tokens / seconds)
+        step, tokens, total_seconds = self._rollout_totals
+        if step != self.state.global_step:
+            tokens, total_seconds = 0, 0.0
+        tokens, total_seconds = tokens + sum(map(len, completions)), total_seconds + seconds
+        self._rollout_totals = (self.state.global_step, tokens, total_seconds)
+        # One value per step, over all its turns: a long turn weighs as much as its tokens.
+        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"] = [
+            tokens / total_seconds
+        ]
         return completions, logprobs
+
+    def _tool_call_loop(self, *args, **kwargs):
+        result = super()._tool_call_loop(*args, **kwargs)
+        completions = result[1]
+        turns = sum(message["role"] == "assistant" for messages in completions for message in messages)
+        totals = self.accelerator.gather(torch.tensor([[turns, len(completions)]], device=self.accelerator.device))
+        turns, rollouts = totals.sum(0).tolist()
+        self._metrics["train" if self.model.training else "eval"]["tools/turns_per_rollout"].append(turns / rollouts)
+        return result
 
     def _before_rollouts(self) -> None:
         """Work a rollout needs first that is not decoding (timed as part of the step, not of tokens/s)."""
