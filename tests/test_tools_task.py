@@ -4,6 +4,7 @@ reward that needs its result, the rendered and parsed turns, the options, the re
 import math
 
 import pytest
+import torch
 from trl.chat_template_utils import parse_response
 
 from hf_spec_cotrain.scripts import grpo, report, tools_task
@@ -73,6 +74,40 @@ def test_the_conversation_renders_as_the_token_counts_say_and_a_sampled_call_par
     assert reward(completions=[tools_task.key(CODE) + LETTERS]) == tools_task.key_letters(
         [messages[:1]], [messages[1:]]
     )
+
+
+class ScriptedPolicy:
+    """Writes the task's turns, as a taught policy would: the call on the prompt's code, then (after the tool's
+    result) the result read back and letters; ``answer_with`` replaces what it reads back."""
+
+    def __init__(self, tokenizer, answer_with: str | None = None):
+        self.tokenizer, self.answer_with = tokenizer, answer_with
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+        rows = []
+        for ids in input_ids.tolist():
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            if text.endswith("|" + text[-6:-2] + "\n>"):  # after the tool's result
+                turn = (self.answer_with or text[-6:-2]) + LETTERS
+            else:
+                turn = f"[key s={text[-6:-2]}]" + self.tokenizer.eos_token
+            rows.append(ids + self.tokenizer(turn, add_special_tokens=False)["input_ids"][:max_new_tokens])
+        return torch.tensor(rows)
+
+
+def test_sampled_rollouts_call_the_tool_and_answer_with_its_result(tokenizer):
+    codes = ["abcd", "hgfe"]
+    rollouts = tools_task.sample_conversations(ScriptedPolicy(tokenizer), tokenizer, codes, temperature=1.0)
+    for code, messages in zip(codes, rollouts):
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+        assert messages[1]["tool_calls"] == [tools_task.tool_call(code)]  # the sampled call, parsed
+        assert messages[2]["content"] == tools_task.key(code)  # the tool ran on it
+        assert messages[3]["content"].startswith(tools_task.key(code))
+    assert tools_task.rollout_shares(rollouts) == (1.0, 1.0)
+    assert min(tools_task.key_letters([m[:1] for m in rollouts], [m[1:] for m in rollouts])) > 0
+    # a policy that ignores the result: still called, never answered with the key
+    ignoring = tools_task.sample_conversations(ScriptedPolicy(tokenizer, "aaaa"), tokenizer, codes, temperature=1.0)
+    assert tools_task.rollout_shares(ignoring) == (1.0, 0.0)
 
 
 def test_the_task_option_sets_the_tool_tasks_defaults_and_refuses_what_cannot_run():
