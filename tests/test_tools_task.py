@@ -11,7 +11,7 @@ from hf_spec_cotrain.scripts import grpo, report, tools_task
 from hf_spec_cotrain.testing import build_char_tokenizer
 
 
-CODE = "abcd"
+CODE = "ABCD"
 LETTERS = ("efghaefghe" * 20)[: tools_task.ANSWER_LETTERS]
 
 
@@ -27,11 +27,11 @@ def rollout(code: str, answer: str, *, called_with: str | None = None) -> list[d
 
 def test_the_reward_needs_the_tools_result():
     key = tools_task.key(CODE)
-    assert len(key) == tools_task.KEY_LENGTH and set(key) <= set(tools_task.LETTERS)
-    assert tools_task.key(CODE) == key != tools_task.key("abce")  # deterministic, and it depends on the code
+    assert len(key) == tools_task.KEY_LENGTH and set(key) <= set(tools_task.CODE_LETTERS)
+    assert tools_task.key(CODE) == key != tools_task.key("ABCE")  # deterministic, and it depends on the code
     prompts = [[{"role": "user", "content": CODE}]] * 5
-    wrong_key = "".join("a" if letter != "a" else "b" for letter in key)
-    other = "hhhh" if CODE != "hhhh" else "gggg"
+    wrong_key = "".join("A" if letter != "A" else "B" for letter in key)
+    other = "HHHH"
     rewards = tools_task.key_letters(
         prompts,
         [
@@ -96,7 +96,7 @@ class ScriptedPolicy:
 
 
 def test_sampled_rollouts_call_the_tool_and_answer_with_its_result(tokenizer):
-    codes = ["abcd", "hgfe"]
+    codes = ["ABCD", "HGFE"]
     rollouts = tools_task.sample_conversations(ScriptedPolicy(tokenizer), tokenizer, codes, temperature=1.0)
     for code, messages in zip(codes, rollouts):
         assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
@@ -106,7 +106,7 @@ def test_sampled_rollouts_call_the_tool_and_answer_with_its_result(tokenizer):
     assert tools_task.rollout_shares(rollouts) == (1.0, 1.0)
     assert min(tools_task.key_letters([m[:1] for m in rollouts], [m[1:] for m in rollouts])) > 0
     # a policy that ignores the result: still called, never answered with the key
-    ignoring = tools_task.sample_conversations(ScriptedPolicy(tokenizer, "aaaa"), tokenizer, codes, temperature=1.0)
+    ignoring = tools_task.sample_conversations(ScriptedPolicy(tokenizer, "AAAA"), tokenizer, codes, temperature=1.0)
     assert tools_task.rollout_shares(ignoring) == (1.0, 0.0)
 
 

@@ -32,15 +32,8 @@ def markov_chain() -> torch.Tensor:
         return torch.distributions.Dirichlet(torch.full((len(LETTERS),), 0.7)).sample((len(LETTERS),))
 
 
-def sample_letters(
-    chain: torch.Tensor, count: int, length: int, generator: torch.Generator, *, after: list[str] | None = None
-) -> list[str]:
-    """``count`` sequences of the chain; each starts at random, or continues the letter of ``after`` at its index."""
-    if after is None:
-        current = torch.randint(0, len(LETTERS), (count,), generator=generator)
-    else:
-        previous = torch.tensor([LETTERS.index(letter) for letter in after])
-        current = torch.multinomial(chain[previous], 1, generator=generator).squeeze(1)
+def sample_letters(chain: torch.Tensor, count: int, length: int, generator: torch.Generator) -> list[str]:
+    current = torch.randint(0, len(LETTERS), (count,), generator=generator)
     rows = [current]
     for _ in range(length - 1):
         current = torch.multinomial(chain[current], 1, generator=generator).squeeze(1)

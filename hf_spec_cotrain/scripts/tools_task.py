@@ -1,15 +1,20 @@
 """The main job's embedded multi-turn task (``--task tools``): the letters task (`letters_task`) behind a tool call.
 
-The user's turn is a code of 4 letters drawn from the letters' Markov chain. The policy first calls the tool
-``[key s=<code>]``, whose result is the code's key: 4 letters that only the tool computes (a hash). It then answers
-with the key followed by letters continuing the chain, until the completion budget runs out (no EOS, as the letters
-task). The reward (`key_letters`) is the letters reward of the answer, scaled by the share of the code's key it starts
-with, and 0 for a rollout that never got the tool's result: the policy cannot earn it without calling the tool. A
-rollout is thus two assistant turns, a short call and a long answer, and the answer is where speculation pays.
+The user's turn is a code of 4 capitals of ``ABCDEFGH``. The policy first calls the tool ``[key s=<code>]``, whose
+result is the code's key: 4 capitals that only the tool computes (a hash). It then answers with the key followed by
+letters of the letters' Markov chain, until the completion budget runs out (no EOS, as the letters task). The reward
+(`key_letters`) is the letters reward of the answer, scaled by the share of the code's key it starts with, and 0 for a
+rollout that never got the tool's result: the policy cannot earn it without calling the tool. A rollout is thus two
+assistant turns, a short call and a long answer, and the answer is where speculation pays.
+
+Codes and keys are capitals so that they share no token with the rewarded letters: written in ``abcdefgh``, GRPO's
+push towards ``efgh`` leaked into the copies of the code and the key: after 80 steps, the EAGLE-3 run's policy called
+the tool on its code in 70% of rollouts and answered with the key in 31% (from 100% and 98%), and in every run (plain
+TRL's too) whole groups scored 0, which gives GRPO no gradient back.
 
 The rendered conversation (`build_char_tokenizer(tool_calling=True)`'s compact template) is
-``<s>u:abcd\\n>[key s=abcd]</s>|hgfe\\n>hgfe...``: the call is `CALL_TOKENS` tokens, the tool's result with the next
-generation prompt `RESULT_TOKENS`, and TRL counts both, with the answer, in ``max_completion_length``.
+``<s>u:ABCD\\n>[key s=ABCD]</s>|HGFE\\n>HGFEefgh...``: the call is `CALL_TOKENS` tokens, the tool's result with the
+next generation prompt `RESULT_TOKENS`, and TRL counts both, with the answer, in ``max_completion_length``.
 """
 
 import hashlib
@@ -41,21 +46,29 @@ RESULT_TOKENS = len("|\n>") + KEY_LENGTH
 PROMPT_TOKENS = 1 + len("u:\n>") + SEED_LENGTH  # BOS, the user's turn and the generation prompt
 # The letters after the key that the default budget (`COMPLETION_LENGTH`, the letters task's) leaves the answer.
 ANSWER_LETTERS = COMPLETION_LENGTH - CALL_TOKENS - RESULT_TOKENS - KEY_LENGTH
-ALPHABET = LETTERS + TOOL_CALLING_CHARACTERS + "kys"  # the letters, the template's characters, "key" and "s"
-ASSETS_VERSION = 1  # bump when the policy or the draft would be built differently
+CODE_LETTERS = LETTERS.upper()
+# the letters, the codes' and keys' capitals, the template's characters, and the tool's name and argument
+ALPHABET = LETTERS + CODE_LETTERS + TOOL_CALLING_CHARACTERS + "kys"
+ASSETS_VERSION = 2  # bump when the policy or the draft would be built differently
 # Supervised steps that teach the call and the copy of its result: at 150 (the letters task's) the policy called the
 # tool on its code in 41% of 128 rollouts at temperature 1, and none answered with the key; at 300, 98% and 98%.
 SFT_STEPS = 300
+
+
+def sample_codes(count: int, generator: torch.Generator) -> list[str]:
+    """``count`` codes, uniformly at random."""
+    draws = torch.randint(0, len(CODE_LETTERS), (count, SEED_LENGTH), generator=generator).tolist()
+    return ["".join(CODE_LETTERS[i] for i in row) for row in draws]
 
 
 def key(s: str) -> str:
     """The key that opens a code: 4 letters that nothing but this tool computes.
 
     Args:
-        s: The code, 4 letters of abcdefgh.
+        s: The code, 4 capitals of ABCDEFGH.
     """
     digest = hashlib.sha256(s.encode()).digest()
-    return "".join(LETTERS[byte % len(LETTERS)] for byte in digest[:KEY_LENGTH])
+    return "".join(CODE_LETTERS[byte % len(CODE_LETTERS)] for byte in digest[:KEY_LENGTH])
 
 
 TOOLS = [key]
@@ -175,16 +188,15 @@ def embedded_assets(
     rollouts (each built once, then cached under ``cache_dir``) and the GRPO prompts (conversational)."""
     chain = markov_chain()
     generator = torch.Generator().manual_seed(seed)
-    codes = sample_letters(chain, 1024, SEED_LENGTH, generator)
+    codes = sample_codes(1024, generator)
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": code}] for code in codes]})
     tokenizer = build_char_tokenizer(alphabet=ALPHABET, tool_calling=True)
     answer_length = COMPLETION_LENGTH  # what a rollout's answer turn generates before TRL cuts it to the budget
 
     def conversations(generator: torch.Generator) -> list[str]:
-        batch = sample_letters(chain, 16, SEED_LENGTH, generator)
-        keys = [key(code) for code in batch]
-        letters = sample_letters(chain, 16, answer_length - KEY_LENGTH, generator, after=[k[-1] for k in keys])
-        return [render(tokenizer, conversation(c, k + rest)) for c, k, rest in zip(batch, keys, letters)]
+        batch = sample_codes(16, generator)
+        letters = sample_letters(chain, 16, answer_length - KEY_LENGTH, generator)
+        return [render(tokenizer, conversation(code, key(code) + rest)) for code, rest in zip(batch, letters)]
 
     def samples(policy) -> Dataset:
         with torch.random.fork_rng(devices=[]):  # the same samples whatever ran before
