@@ -40,7 +40,7 @@ from .letters_task import (
 
 KEY_LENGTH = 4
 TOOL_NAME = "key"
-# "[key s=abcd]" then EOS; "|hgfe\n" then the generation prompt ">".
+# "[key s=ABCD]" then EOS; "|HGFE\n" then the generation prompt ">".
 CALL_TOKENS = len(f"[{TOOL_NAME} s=]") + SEED_LENGTH + 1
 RESULT_TOKENS = len("|\n>") + KEY_LENGTH
 PROMPT_TOKENS = 1 + len("u:\n>") + SEED_LENGTH  # BOS, the user's turn and the generation prompt
@@ -50,8 +50,9 @@ CODE_LETTERS = LETTERS.upper()
 # the letters, the codes' and keys' capitals, the template's characters, and the tool's name and argument
 ALPHABET = LETTERS + CODE_LETTERS + TOOL_CALLING_CHARACTERS + "kys"
 ASSETS_VERSION = 2  # bump when the policy or the draft would be built differently
-# Supervised steps that teach the call and the copy of its result: at 150 (the letters task's) the policy called the
-# tool on its code in 41% of 128 rollouts at temperature 1, and none answered with the key; at 300, 98% and 98%.
+# Supervised steps that teach the call and the copy of its result. At 150 (the letters task's) the policy called the
+# tool on its code in 41% of 128 rollouts at temperature 1 and none answered with the key, at 300 98% and 98% (codes in
+# abcdefgh, the task's first version); in capitals, at 300: 99% and 99% of 256.
 SFT_STEPS = 300
 
 
@@ -62,7 +63,7 @@ def sample_codes(count: int, generator: torch.Generator) -> list[str]:
 
 
 def key(s: str) -> str:
-    """The key that opens a code: 4 letters that nothing but this tool computes.
+    """The key that opens a code: 4 capitals that nothing but this tool computes.
 
     Args:
         s: The code, 4 capitals of ABCDEFGH.
@@ -106,6 +107,7 @@ def conversation(code: str, answer: str | None = None) -> list[dict]:
 
 
 def tool_call(code: str) -> dict:
+    """The call on ``code`` as TRL's loop parses it (and the chat template renders it)."""
     return {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"s": code}}}
 
 
