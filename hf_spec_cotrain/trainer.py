@@ -53,7 +53,7 @@ from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback
 from .training.pipeline_parallel import load_pipeline_stage
 from .training.policy_support import check_trl_can_train
 from .training.rollout_backends import RolloutSampling, build_rollout_engine
-from .training.rollouts import build_rollouts, conversation_budget
+from .training.rollouts import build_rollouts, conversation_budget, turns_per_rollout
 from .training.strategy import GRPOLoss, build_parallel_strategy, unwrapped_hf
 from .training.timing import StepTimes, StepTimesCallback
 
@@ -462,16 +462,9 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         weighted by what each measured; with tools, ``tools/turns_per_rollout`` too (assistant turns per rollout)."""
         with self.rollouts.generation_batch(step=self.state.global_step, training=self.model.training):
             generated = super()._generate(prompts)
-        if self.tools:
-            completions = generated[3]
-            turns = [
-                sum(message.get("role") == "assistant" for message in rollout) if isinstance(rollout, list) else 1
-                for rollout in completions
-            ]
-            totals = self.accelerator.gather(torch.tensor([[sum(turns), len(turns)]], device=self.accelerator.device))
-            turns_total, rollouts_total = totals.sum(0).tolist()
+        if self.tools:  # TRL's completions: each rollout's messages
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["tools/turns_per_rollout"].append(turns_total / max(rollouts_total, 1))
+            self._metrics[mode]["tools/turns_per_rollout"].append(turns_per_rollout(generated[3], self.accelerator))
         return generated
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -6,16 +6,19 @@ import time
 from trl import GRPOTrainer
 
 from ..training import StepTimes, StepTimesCallback
+from ..training.rollouts import turns_per_rollout
 
 
 class TimedGRPOTrainer(GRPOTrainer):
-    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput and the same ``time/*``
-    split of its steps as `SpecCoTrainGRPOTrainer`."""
+    """Plain TRL GRPO (the no-speculation baseline) that also logs its rollout throughput (over all of a step's
+    turns), the same ``time/*`` split of its steps as `SpecCoTrainGRPOTrainer` (the tool loop's own time in
+    ``tool_calls``) and, with tools, the assistant turns per rollout (``tools/turns_per_rollout``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.step_times = StepTimes(self._metrics)
         self.add_callback(StepTimesCallback(self.step_times))
+        self._rollout_totals = (-1, 0, 0.0)  # the step, its turns' tokens and seconds
 
     def training_step(self, *args, **kwargs):
         with self.step_times.measure("step"):
@@ -27,9 +30,28 @@ class TimedGRPOTrainer(GRPOTrainer):
             started = time.perf_counter()
             completions, logprobs = self._rollouts(prompt_ids, *args, **kwargs)
             seconds = time.perf_counter() - started
-        tokens = sum(map(len, completions))
-        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"].append(tokens / seconds)
+        step, tokens, total_seconds = self._rollout_totals
+        if step != self.state.global_step:
+            tokens, total_seconds = 0, 0.0
+        tokens, total_seconds = tokens + sum(map(len, completions)), total_seconds + seconds
+        self._rollout_totals = (self.state.global_step, tokens, total_seconds)
+        # One value per step, over all its turns: a long turn weighs as much as its tokens.
+        self._metrics["train" if self.model.training else "eval"]["rollout/tokens_per_second"] = [
+            tokens / total_seconds
+        ]
         return completions, logprobs
+
+    def _generate(self, prompts):
+        generated = super()._generate(prompts)
+        if self.tools:  # TRL's completions: each rollout's messages
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["tools/turns_per_rollout"].append(turns_per_rollout(generated[3], self.accelerator))
+        return generated
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's tool loop, timed less its turns' generation, as `SpecCoTrainGRPOTrainer` times it."""
+        with self.step_times.measure("tool_calls", excluding="generation"):
+            return super()._tool_call_loop(*args, **kwargs)
 
     def _before_rollouts(self) -> None:
         """Work a rollout needs first that is not decoding (timed as part of the step, not of tokens/s)."""

