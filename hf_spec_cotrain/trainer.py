@@ -47,7 +47,15 @@ from .draft.upload import push_draft_folder
 from .parallel.dims import ParallelDims
 from .parallel.fsdp import shard_draft
 from .taps import TapRecorder
-from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically
+from .training.checkpoints import (
+    DRAFT_FOLDER,
+    DRAFT_STATE_FILE,
+    check_draft_shape,
+    check_resumable,
+    describe_draft_shape_differences,
+    draft_shape_differences,
+    write_atomically,
+)
 from .training.data_parallel import TRLHooks
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback
 from .training.pipeline_parallel import load_pipeline_stage
@@ -569,6 +577,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 "fresh draft, with a fresh optimizer."
             )
             return
+        differences = draft_shape_differences(checkpoint, self.draft)
+        if differences:  # `train` refused this unless `save_draft=False`
+            logger.warning(
+                f"The draft in {checkpoint} has another shape than this run's "
+                f"({describe_draft_shape_differences(differences)}): with `save_draft=False` the resumed run starts "
+                "from a fresh draft, with a fresh optimizer."
+            )
+            return
         loaded = load_draft(Path(checkpoint) / DRAFT_FOLDER, self.args.drafter)
         self.draft_cotrainer.load_draft_weights(loaded.state_dict())
         state = torch.load(Path(checkpoint) / DRAFT_STATE_FILE, map_location="cpu", weights_only=True)
@@ -664,6 +680,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if isinstance(checkpoint, str | os.PathLike):
             stages = self.parallel_dims.pipeline_parallel_size
             check_resumable(checkpoint, draft=self.args.save_draft, pipeline_stages=stages)
+            if self.args.save_draft:
+                check_draft_shape(checkpoint, self.draft)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.args.save_draft and self.joins_draft_save():
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)
