@@ -465,8 +465,6 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return self.parallel.grad_norm(model, grad_norm)
 
-    # ------------------------------------------------------------------ rollouts
-
     # ------------------------------------------------------------------ rewards that cannot train
 
     def _check_reward_returns(self) -> None:
@@ -489,6 +487,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 no_finite_reward_warning(self.reward_func_names, num_nonfinite, step=self.state.global_step + 1)
             )
         return rewards_per_func
+
+    # ------------------------------------------------------------------ rollouts
 
     def _generate(self, prompts):
         """A batch of rollouts, every turn of it: the turns' ``spec/*`` metrics are logged once for the batch,

@@ -9,6 +9,9 @@ no old checkpoint is deleted before they are on disk.
 Under pipeline parallelism no rank holds the whole policy: each stage writes its own shard of the policy (the files
 of a HF sharded checkpoint, so that ``from_pretrained`` loads the whole model from them), of the optimizer and of the
 scheduler, and restores them on resume; the last stage, which trains the draft, writes the draft and its state.
+
+A checkpoint's draft resumes only into a run whose draft has its shape (`check_draft_shape`: depth, vocabulary, taps,
+read from its ``config.json`` before any weight).
 """
 
 import json
