@@ -47,11 +47,20 @@ from .draft.upload import push_draft_folder
 from .parallel.dims import ParallelDims
 from .parallel.fsdp import shard_draft
 from .taps import TapRecorder
-from .training.checkpoints import DRAFT_FOLDER, DRAFT_STATE_FILE, check_resumable, write_atomically
+from .training.checkpoints import (
+    DRAFT_FOLDER,
+    DRAFT_STATE_FILE,
+    check_draft_shape,
+    check_resumable,
+    describe_draft_shape_differences,
+    draft_shape_differences,
+    write_atomically,
+)
 from .training.data_parallel import TRLHooks
 from .training.draft_cotraining import DraftCoTrainer, DraftUpdateCallback
 from .training.pipeline_parallel import load_pipeline_stage
 from .training.policy_support import check_trl_can_train
+from .training.rewards import checked_reward_function, no_finite_reward_warning, nonfinite_reward_rows
 from .training.rollout_backends import RolloutSampling, build_rollout_engine
 from .training.rollouts import build_rollouts, conversation_budget, turns_per_rollout
 from .training.strategy import GRPOLoss, build_parallel_strategy, unwrapped_hf
@@ -97,6 +106,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "hf_spec_cotrain"]  # and the draft's family (`drafter_name`), added once built
     _saving_checkpoint = False  # True inside `_save_checkpoint`: `save_model` then writes the draft too
     _tool_loop_prompts = None  # inside TRL's tool loop: the batch's prompt ids, whose conversations its turns extend
+    _warned_no_finite_reward = False  # a step without any finite reward is warned about once per run
 
     def __init__(self, model, reward_funcs=None, args: SpecCoTrainConfig | None = None, *, draft_model=None, **kwargs):
         if args is None:
@@ -162,6 +172,7 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 "run FSDP2 on accelerators, where accelerate shards and checkpoints it."
             )
         self._share_weights_read_on_rank_zero()
+        self._check_reward_returns()
         self.draft = self._build_draft(draft_model)
         self._tag_names = [*self._tag_names, self.draft.drafter_name]
         self._policy().add_model_tags([self.draft.drafter_name])
@@ -455,6 +466,29 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return self.parallel.grad_norm(model, grad_norm)
 
+    # ------------------------------------------------------------------ rewards that cannot train
+
+    def _check_reward_returns(self) -> None:
+        """Have every reward function (a callable, not a reward model) refused, by its name, when it does not return
+        one value per completion (`checked_reward_function`)."""
+        self.reward_funcs = [
+            func if isinstance(func, torch.nn.Module) else checked_reward_function(func, name)
+            for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (of every process), with the rows that cannot train counted in ``rewards/nonfinite_rows``
+        and one warning, the first time all of a step's rows are such."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        num_nonfinite = nonfinite_reward_rows(rewards_per_func)
+        self._metrics["train" if self.model.training else "eval"]["rewards/nonfinite_rows"].append(num_nonfinite)
+        if num_nonfinite == len(rewards_per_func) and not self._warned_no_finite_reward:
+            self._warned_no_finite_reward = True
+            logger.warning(
+                no_finite_reward_warning(self.reward_func_names, num_nonfinite, step=self.state.global_step + 1)
+            )
+        return rewards_per_func
+
     # ------------------------------------------------------------------ rollouts
 
     def _generate(self, prompts):
@@ -575,6 +609,14 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
                 "fresh draft, with a fresh optimizer."
             )
             return
+        differences = draft_shape_differences(checkpoint, self.draft)
+        if differences:  # `train` refused this unless `save_draft=False`
+            logger.warning(
+                f"The draft in {checkpoint} has another shape than this run's "
+                f"({describe_draft_shape_differences(differences)}): with `save_draft=False` the resumed run starts "
+                "from a fresh draft, with a fresh optimizer."
+            )
+            return
         loaded = load_draft(Path(checkpoint) / DRAFT_FOLDER, self.args.drafter)
         self.draft_cotrainer.load_draft_weights(loaded.state_dict())
         state = torch.load(Path(checkpoint) / DRAFT_STATE_FILE, map_location="cpu", weights_only=True)
@@ -670,6 +712,8 @@ class SpecCoTrainGRPOTrainer(GRPOTrainer):
         if isinstance(checkpoint, str | os.PathLike):
             stages = self.parallel_dims.pipeline_parallel_size
             check_resumable(checkpoint, draft=self.args.save_draft, pipeline_stages=stages)
+            if self.args.save_draft:
+                check_draft_shape(checkpoint, self.draft)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.args.save_draft and self.joins_draft_save():
             self.save_draft(Path(self.args.output_dir) / DRAFT_FOLDER)

@@ -26,7 +26,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
@@ -226,6 +226,13 @@ class DraftModel(PreTrainedModel):
         """The family's own `from_target` options from a `SpecCoTrainConfig` or `DraftTrainingConfig` and the
         policy's tokenizer, for what a family derives from it (DFlash's mask token); ``draft_vocab_size`` and
         ``token_counts``, which every family takes, come from the caller."""
+
+    @classmethod
+    @abc.abstractmethod
+    def shape_options(cls, config: PreTrainedConfig) -> dict[str, Any]:
+        """The `SpecCoTrainConfig` options that shape a draft of this family (depth, vocabulary, taps, ...), by their
+        names, with the values ``config`` holds: a checkpoint's draft resumes only into a run whose draft has the same
+        (`hf_spec_cotrain.training.checkpoints.check_draft_shape`)."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):

@@ -227,6 +227,16 @@ class DFlashDraftModel(DraftModel):
             "block_size": getattr(args, "dflash_block_size", DEFAULT_BLOCK_SIZE),
         }
 
+    @classmethod
+    def shape_options(cls, config: DFlashDraftConfig) -> dict[str, Any]:
+        return {
+            "draft_num_layers": config.num_hidden_layers,
+            "draft_vocab_size": config.draft_vocab_size,
+            "dflash_target_layer_ids": list(config.target_layer_ids),
+            "dflash_block_size": config.block_size,
+            "dflash_mask_token_id": config.mask_token_id,
+        }
+
     def bind_target(self, target: PreTrainedModel) -> "DFlashDraftModel":
         """Check that this draft fits ``target``; read token embeddings (and, without a head of its own, the lm_head)
         from it from now on."""

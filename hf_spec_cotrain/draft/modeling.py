@@ -220,6 +220,15 @@ class Eagle3DraftModel(DraftModel):
         }
 
     @classmethod
+    def shape_options(cls, config: Eagle3DraftConfig) -> dict[str, Any]:
+        ids = config.aux_layer_ids
+        return {
+            "draft_num_layers": config.num_hidden_layers,
+            "draft_vocab_size": config.draft_vocab_size,
+            "aux_layer_ids": None if ids is None else list(ids),
+        }
+
+    @classmethod
     def checkpoint_architectures(cls) -> tuple[str, ...]:
         return (cls.checkpoint_architecture, SPECULATORS_ARCHITECTURE)  # and a speculators checkpoint
 

@@ -31,6 +31,7 @@ _MODULE_OF = {
     "WeightSyncError": "engine",
     "VLLM_INSTALL_HINT": "vllm_engine",
     "VLLMRolloutEngine": "vllm_engine",
+    "BadRolloutRequestError": "client",
     "VLLMServerClient": "client",
     "VLLMServerError": "client",
 }
@@ -38,6 +39,7 @@ _MODULE_OF = {
 __all__ = [
     "DRAFT_SAMPLING_METHODS",
     "AdaptiveSpeculation",
+    "BadRolloutRequestError",
     "EngineRestartedError",
     "EngineUnavailableError",
     "FixedSpeculation",
@@ -62,7 +64,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .adaptive import AdaptiveSpeculation, FixedSpeculation, PlainDecoding, SpeculationPolicy
-    from .client import VLLMServerClient, VLLMServerError
+    from .client import BadRolloutRequestError, VLLMServerClient, VLLMServerError
     from .decoder import SpeculativeOutput
     from .engine import (
         EngineRestartedError,

@@ -50,6 +50,7 @@ from .protocol import (
 
 
 __all__ = [
+    "BadRolloutRequestError",
     "SentChunks",
     "ServerRolloutOutput",
     "VLLMServerClient",
@@ -77,6 +78,11 @@ class VLLMServerError(RuntimeError):
     def __reduce__(self):
         # Picklable with its status (the pipeline's stages share a sync's errors as objects).
         return functools.partial(type(self), status_code=self.status_code), self.args
+
+
+class BadRolloutRequestError(VLLMServerError, ValueError):
+    """The server refused a generate request as the caller's mistake (400 or 422: a sampling value vLLM refuses, an
+    empty or too long prompt, ids outside the vocabulary), not a server fault: sent again, it fails the same way."""
 
 
 @dataclass
@@ -210,7 +216,8 @@ class VLLMServerClient:
         **sampling_kwargs: Any,
     ) -> ServerRolloutOutput:
         """`VLLMRolloutEngine.generate` on the server: `n` completions per prompt, prompt-major, with the
-        speculative counters of this call. `sampling_kwargs` (JSON values) go to `vllm.SamplingParams`."""
+        speculative counters of this call. `sampling_kwargs` (JSON values) go to `vllm.SamplingParams`. A request the
+        server refuses as bad raises `BadRolloutRequestError` (a ValueError) naming the field."""
         body = {
             "prompt_token_ids": [list(map(int, ids)) for ids in prompt_token_ids],
             "max_tokens": max_tokens,
@@ -222,7 +229,15 @@ class VLLMServerClient:
             "logprobs": logprobs,
             "sampling_kwargs": sampling_kwargs,
         }
-        answer = self._request("POST", GENERATE_ROUTE, json=body)
+        try:
+            answer = self._request("POST", GENERATE_ROUTE, json=body)
+        except VLLMServerError as error:
+            if error.status_code not in (400, 422):
+                raise
+            raise BadRolloutRequestError(
+                f"{error} The request was bad, not the server: nothing was generated; fix the field named above.",
+                status_code=error.status_code,
+            ) from error
         completion_logprobs = answer["logprobs"]
         if completion_logprobs is not None:
             completion_logprobs = [[math.nan if x is None else x for x in row] for row in completion_logprobs]

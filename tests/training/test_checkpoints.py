@@ -11,9 +11,12 @@ import pytest
 import torch
 from kill_during_save import KILLED_AT_STEP, build_trainer
 
+from hf_spec_cotrain.draft import DRAFTER_FAMILIES
+from hf_spec_cotrain.testing import build_tiny_target
 from hf_spec_cotrain.training.checkpoints import (
     PIPELINE_STAGE_KINDS,
     check_resumable,
+    draft_shape_differences,
     pipeline_stage_file,
     write_atomically,
 )
@@ -90,6 +93,69 @@ def test_resume_from_a_checkpoint_without_a_draft_is_an_error(tiny_policy_dir, t
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert "starts from a fresh draft" in caplog.text and str(checkpoint) in caplog.text
     assert resumed.draft_cotrainer.scheduler.last_epoch == 1  # one draft update since the resume
+
+
+def test_resume_with_another_draft_shape_names_the_options_and_the_ways_on(tiny_policy_dir, tmp_path, caplog):
+    """A checkpoint's draft of another depth, vocabulary or taps than the run's is refused before any weight is read
+    (was: torch's raw `load_state_dict` error, or for taps of the same count weights trained on other layers loaded
+    without a word), naming each option with both values, the checkpoint's values and `save_draft=False`; with
+    `save_draft=False` the run resumes the policy with a fresh draft of its own shape, and says so."""
+    written = build_trainer(tiny_policy_dir, tmp_path, max_steps=2)
+    written.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    vocab_size = written.draft.config.draft_vocab_size
+    assert written.draft.config.aux_layer_ids == (2, 4, 5)  # the tiny policy's default taps
+    for changed, differences, saved_values in [
+        (
+            {"draft_num_layers": 2, "draft_vocab_size": 16},
+            rf"`draft_num_layers`: 1 in the checkpoint, 2 in this run; `draft_vocab_size`: {vocab_size} in the "
+            r"checkpoint, 16 in this run",
+            rf"draft_num_layers=1, draft_vocab_size={vocab_size}",
+        ),
+        (
+            {"aux_layer_ids": [1, 3, 6]},  # the same shapes: torch would load it
+            r"`aux_layer_ids`: \[2, 4, 5\] in the checkpoint, \[1, 3, 6\] in this run",
+            r"aux_layer_ids=\[2, 4, 5\]",
+        ),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=rf"the draft in .*checkpoint-2 has another shape than this run's \({differences}\), so it cannot be "
+            rf"resumed. Either resume with the checkpoint's values \({saved_values}\) .* or set `save_draft=False`",
+        ):
+            build_trainer(tiny_policy_dir, tmp_path, **changed).train(resume_from_checkpoint=str(checkpoint))
+    resumed = build_trainer(tiny_policy_dir, tmp_path, max_steps=3, save_draft=False, draft_vocab_size=16)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert "has another shape than this run's" in caplog.text and "starts from a fresh draft" in caplog.text
+    assert resumed.state.global_step == 3 and resumed.draft.config.draft_vocab_size == 16
+    assert resumed.draft_cotrainer.scheduler.last_epoch == 1  # one draft update since the resume
+
+
+@pytest.mark.parametrize(
+    ("drafter", "changed", "names"),
+    [
+        ("eagle3", {"num_layers": 2, "aux_layer_ids": [1, 3, 6]}, ["draft_num_layers", "aux_layer_ids"]),
+        (
+            "dflash",
+            {"num_layers": 2, "target_layer_ids": [2, 6], "block_size": 4, "mask_token_id": 5},
+            ["draft_num_layers", "dflash_target_layer_ids", "dflash_block_size", "dflash_mask_token_id"],
+        ),
+    ],
+)
+def test_every_familys_draft_shape_is_read_back_from_its_saved_config(tmp_path, drafter, changed, names):
+    """The options that shape a family's drafts read the same from a saved draft's config.json as from the draft, and
+    a draft built with other values differs in exactly those options, named as `SpecCoTrainConfig` names them."""
+    family = DRAFTER_FAMILIES[drafter]
+    target = build_tiny_target("llama", num_layers=8)
+    fixed = {"mask_token_id": 3} if drafter == "dflash" else {}
+    saved = family.from_target(target, **fixed)
+    saved.save_pretrained(tmp_path / "draft", on_this_rank=True)
+    assert draft_shape_differences(tmp_path, saved) == {}
+    other = family.from_target(target, **{**fixed, **changed})
+    differences = draft_shape_differences(tmp_path, other)
+    assert list(differences) == names
+    ours = family.shape_options(other.config)
+    assert all(differences[name] == (family.shape_options(saved.config)[name], ours[name]) for name in names)
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])
