@@ -125,7 +125,7 @@ def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_facto
     # step 0: both drafts are the warm-start draft, same prompts, same seed
     assert rows[0]["acceptance_cotrained_eagle3"] == rows[0]["acceptance_frozen_eagle3"]
     spec = summary["eagle3"]
-    assert spec["end_to_end_speedup"] > 0 and spec["rollout_speedup"] > 0
+    assert spec["end_to_end_speedup"] > 0 and spec["rollout_speedup"] > 0 and spec["generation_speedup"] > 0
     for run in ("eagle3", "plain"):
         shares = [summary[run][f"share_{part}"] for part in report.TIME_PARTS]
         assert sum(shares) == pytest.approx(1.0) and all(share >= 0 for share in shares)

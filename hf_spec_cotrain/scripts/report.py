@@ -91,6 +91,7 @@ def summarize(
         summary[run] = {
             "grpo_seconds": seconds,
             "rollout_tokens_per_second": _mean(_column(rows, f"tokens_per_s_{run}")),
+            "generation_seconds": totals["generation"],
             **{f"share_{part}": total / step_total for part, total in totals.items()},
             "reward_last_half": _mean(_last_half(rows, f"reward_{run}")),
         }
@@ -105,6 +106,9 @@ def summarize(
         if plain is not None:
             spec["end_to_end_speedup"] = plain["grpo_seconds"] / spec["grpo_seconds"]
             spec["rollout_speedup"] = spec["rollout_tokens_per_second"] / plain["rollout_tokens_per_second"]
+            # The same rollouts kept, timed: tokens/s also counts what TRL generates past a tool-loop turn's budget
+            # and then cuts (the speculative turns stop at the budget).
+            spec["generation_speedup"] = plain["generation_seconds"] / spec["generation_seconds"]
             # Steps of one run are not independent (each starts from the policy the previous ones made), so the
             # curves are compared by blocks of REWARD_BLOCK steps.
             halves = [_last_half(rows, f"reward_{name}") for name in (run, PLAIN)]
@@ -211,7 +215,8 @@ def print_summary(summary: dict, runs: list[str]) -> None:
         print(f"\n{run}:")
         if "end_to_end_speedup" in spec:
             print(
-                f"  end to end {spec['end_to_end_speedup']:.2f}x, rollouts {spec['rollout_speedup']:.2f}x; reward "
+                f"  end to end {spec['end_to_end_speedup']:.2f}x, rollouts {spec['rollout_speedup']:.2f}x (tokens/s; "
+                f"generation time {spec['generation_speedup']:.2f}x); reward "
                 f"curves against {summary['baseline']}, permutation test over blocks of {REWARD_BLOCK} steps of the "
                 f"last half: p = {spec['reward_block_p_value']:.2f}"
             )
