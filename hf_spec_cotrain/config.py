@@ -183,6 +183,8 @@ class SpecCoTrainConfig(GRPOConfig):
         pipeline_tap_transport (`str`, *optional*, defaults to `"channel"`):
             How taps reach the draft's stage: `"channel"` (`TapChannel`) or `"relay"` (taps ride the stage
             outputs; the benchmark's baseline).
+
+        The values of these three are checked whether pipeline parallelism is on or not.
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS

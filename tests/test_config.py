@@ -253,8 +253,25 @@ def test_config_accepts_pipeline_options():
         draft_bf16=True,  # the last stage runs the draft's micro-step under bf16 autocast, as one process does
     )
     assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
-    # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).
+    # Without pipeline parallelism, options the pipelined step cannot honour are not refused.
     assert SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, loss_type="cispo").pipeline_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"pipeline_schedule": "interleaved"}, r"`pipeline_schedule`='interleaved' is not allowed: choose '1F1B'"),
+        ({"pipeline_schedule": None}, r"`pipeline_schedule`=None is not allowed"),
+        ({"pipeline_tap_transport": "nccl"}, r"`pipeline_tap_transport`='nccl' is not allowed: choose one of"),
+        ({"pipeline_num_microbatches": 2}, r"`pipeline_num_microbatches`=2 is not allowed: .* \(at least 4"),
+        ({"pipeline_num_microbatches": "4"}, r"`pipeline_num_microbatches`='4' is not allowed"),
+    ],
+)
+def test_pipeline_option_values_are_checked_without_pipeline_parallelism_too(options, named):
+    """A bogus pipeline option was accepted while pipeline parallelism was off, and only refused by the run that
+    turned it on. Its value is checked either way (what PP cannot honour is still checked under PP only)."""
+    with pytest.raises(ValueError, match=named):
+        SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, **options)
 
 
 # --- Secrets -----------------------------------------------------------------------------------------------------
