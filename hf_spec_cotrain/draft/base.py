@@ -26,9 +26,9 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 from ..attention.decoding import compact_slots
 from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
@@ -242,6 +242,8 @@ class DraftModel(PreTrainedModel):
         if key_mapping is not None:
             kwargs.setdefault("key_mapping", key_mapping)
         _check_folder_or_repo_id(pretrained_model_name_or_path)
+        if not isinstance(kwargs.get("config"), PreTrainedConfig):
+            cls._check_checkpoint_config(pretrained_model_name_or_path, _hub_kwargs(kwargs))
         want_info = kwargs.pop("output_loading_info", False)
         # Under FSDP's CPU-RAM-efficient loading transformers reads the weights on local rank 0 only and leaves zeros
         # elsewhere for FSDP to broadcast; the draft is replicated, never FSDP-wrapped, so every rank reads it.
@@ -257,12 +259,43 @@ class DraftModel(PreTrainedModel):
                 f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
                 f"at random. Load a complete {cls.display_name} checkpoint (`save_pretrained` writes one)."
             )
-        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
+        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, _hub_kwargs(kwargs)), what=what)
         draft._complete_vocab_maps(missing)
         draft.validate_weights(what=what)
         if target is not None:
             draft.bind_target(target)
         return (draft, info) if want_info else draft
+
+    @classmethod
+    def _check_checkpoint_config(cls, name_or_path, hub_kwargs: dict) -> None:
+        """Refuse a checkpoint without ``config.json``, or whose ``config.json`` is of another model type, from that
+        file alone (downloaded first, for a Hub id): transformers would otherwise build a draft from the config
+        class's defaults or from another model's sizes (32 layers of 4096 for EAGLE-3: minutes and ~17 GB) before
+        finding none of its weights."""
+        what = f"The draft checkpoint {os.fspath(name_or_path)!r}"
+        instead = (
+            f"Pass a {cls.display_name} draft checkpoint (the folder `save_pretrained` writes: config.json and "
+            "safetensors weights), or leave `draft_model_name_or_path` unset to build a draft from the policy."
+        )
+        config_file = cached_file(name_or_path, CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        if config_file is None:
+            where = _where_config_is_missing(Path(name_or_path, hub_kwargs.get("subfolder") or ""))
+            raise FileNotFoundError(f"{what} has no config.json: {where}. {instead}")
+        try:
+            config_dict = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{what} has a config.json that is not JSON ({error}). {instead}") from None
+        model_type, expected = cls._checkpoint_model_type(config_dict), cls.config_class.model_type
+        if model_type != expected:
+            raise ValueError(
+                f"{what} is no {cls.display_name} draft: its config.json has model_type={model_type!r}, where "
+                f"{cls.display_name} drafts have {expected!r} (a policy's folder, or another kind of model). {instead}"
+            )
+
+    @classmethod
+    def _checkpoint_model_type(cls, config_dict: dict) -> str | None:
+        """The ``model_type`` of the draft a checkpoint's ``config.json`` describes, in this family's layouts."""
+        return config_dict.get("model_type")
 
     @classmethod
     def checkpoint_architectures(cls) -> tuple[str, ...]:
@@ -542,13 +575,31 @@ def _check_folder_or_repo_id(name) -> None:
         ) from None
 
 
-def _checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> list[str]:
-    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index."""
-    kwargs = {
-        key: hub_kwargs[key]
+def _hub_kwargs(loading_kwargs: dict) -> dict:
+    """The options of `from_pretrained` that say where a checkpoint's files are (`cached_file`'s)."""
+    return {
+        key: loading_kwargs[key]
         for key in ("cache_dir", "revision", "token", "subfolder", "local_files_only")
-        if key in hub_kwargs
+        if key in loading_kwargs
     }
+
+
+def _where_config_is_missing(name_or_path, shown: int = 8) -> str:
+    """Where a checkpoint has no config.json, for an error: a local folder's first `shown` entries and its subfolders
+    that hold one (a training checkpoint keeps its draft in ``draft/``); a Hub repository by name."""
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return "the Hub repository holds none"
+    names = sorted(entry.name for entry in folder.iterdir())
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    drafts = [str(folder / name) for name in names if (folder / name / CONFIG_NAME).is_file()]
+    inside = f"; {' and '.join(drafts)} {'has' if len(drafts) == 1 else 'have'} one" if drafts else ""
+    return f"the folder {folder.resolve()} holds {listed or 'nothing'}{inside}"
+
+
+def _checkpoint_files(pretrained_model_name_or_path, kwargs: dict) -> list[str]:
+    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index;
+    ``kwargs``: where they are (`_hub_kwargs`)."""
     single = cached_file(
         pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **kwargs
     )

@@ -10,7 +10,14 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from hf_spec_cotrain import Eagle3DraftConfig, Eagle3DraftModel, default_aux_layer_ids
-from hf_spec_cotrain.draft import count_tokens, select_draft_vocab, vocab_maps
+from hf_spec_cotrain.draft import (
+    DRAFTER_FAMILIES,
+    DFlashDraftModel,
+    count_tokens,
+    load_draft,
+    select_draft_vocab,
+    vocab_maps,
+)
 from hf_spec_cotrain.testing import SUPPORTED_FAMILIES, build_tiny_target
 
 
@@ -190,6 +197,53 @@ def test_a_path_that_is_neither_a_folder_nor_a_hub_id_is_named_as_such(tmp_path)
     (tmp_path / "model.safetensors").touch()
     with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
         Eagle3DraftModel.from_pretrained(tmp_path / "model.safetensors")
+
+
+def _escaped(path) -> str:
+    return re.escape(str(path))
+
+
+def _saved_draft(drafter, folder):
+    target = _target()
+    family = DRAFTER_FAMILIES[drafter]
+    draft = family.from_target(target, **({"mask_token_id": 0} if family is DFlashDraftModel else {}))
+    draft.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTER_FAMILIES))
+def test_a_folder_without_a_drafts_config_is_refused_before_a_draft_is_built(tmp_path, drafter, monkeypatch):
+    """Without config.json transformers built the config class's default draft (EAGLE-3: 32 layers of 4096, minutes
+    and ~17 GB), and from another model's config.json a draft of that model's sizes, before finding none of its
+    weights. Every family refuses both from the config alone, naming the folder and what it lacks."""
+    family = DRAFTER_FAMILIES[drafter]
+    weights_only = _saved_draft(drafter, tmp_path / "weights-only")
+    (weights_only / "config.json").unlink()
+    checkpoint = tmp_path / "checkpoint-3"  # a training checkpoint: the draft is in its draft/ folder
+    _saved_draft(drafter, checkpoint / "draft")
+    (tmp_path / "empty").mkdir()
+    policy = tmp_path / "policy"
+    _target("qwen3" if family.config_class.model_type == "llama" else "llama").config.save_pretrained(policy)
+    (tmp_path / "no-type").mkdir()
+    (tmp_path / "no-type" / "config.json").write_text(json.dumps({"hidden_size": 4096}))
+    built = []
+    monkeypatch.setattr(family, "__init__", lambda self, config: built.append(config) or pytest.fail("built"))
+    expected, display = family.config_class.model_type, family.display_name
+    for folder, error, message in (
+        (
+            tmp_path / "empty",
+            FileNotFoundError,
+            rf"has no config.json: the folder {_escaped(tmp_path / 'empty')} holds nothing",
+        ),
+        (weights_only, FileNotFoundError, r"has no config.json: the folder .* holds model.safetensors\. Pass a"),
+        (checkpoint, FileNotFoundError, rf"holds draft; {_escaped(checkpoint / 'draft')} has one\."),
+        (policy, ValueError, rf"is no {display} draft: its config.json has model_type='[a-z0-9]+', where"),
+        (tmp_path / "no-type", ValueError, rf"model_type=None, where {display} drafts have '{expected}'"),
+    ):
+        for load in (family.from_pretrained, lambda name: load_draft(name, drafter)):
+            with pytest.raises(error, match=rf"The draft checkpoint '{_escaped(folder)}' (.|\n)*{message}"):
+                load(folder)
+    assert built == []
 
 
 def test_bad_construction_arguments():
