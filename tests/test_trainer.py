@@ -326,7 +326,10 @@ def test_a_draft_folder_without_a_drafts_config_is_refused_at_build(policy_dir, 
     Eagle3DraftModel.from_target(build_tiny_target("llama", num_layers=8)).save_pretrained(folder)
     (folder / "config.json").unlink()
     monkeypatch.setattr(Eagle3DraftModel, "__init__", lambda self, config: pytest.fail("a draft was built"))
-    with pytest.raises(FileNotFoundError, match=rf"'{re.escape(str(folder))}' has no config.json: the folder .*"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"checkpoint {re.escape(str(folder))} has no config.json: the folder .* holds model.safetensors\.",
+    ):
         _trainer(policy_dir, _config(tmp_path, draft_model_name_or_path=str(folder)))
 
 

@@ -231,8 +231,9 @@ class DraftModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
         """Load a draft checkpoint (safetensors only) of this family.
 
-        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
-        so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
+        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: a checkpoint without a ``config.json`` of
+        this family's model type, or without every other tensor, is refused before the draft is built; so is a draft
+        that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
         Pass ``target=`` to validate and bind in one go.
         """
         if kwargs.get("use_safetensors") is False:
@@ -242,8 +243,12 @@ class DraftModel(PreTrainedModel):
         if key_mapping is not None:
             kwargs.setdefault("key_mapping", key_mapping)
         _check_folder_or_repo_id(pretrained_model_name_or_path)
-        if not isinstance(kwargs.get("config"), PreTrainedConfig):
-            cls._check_checkpoint_config(pretrained_model_name_or_path, _hub_kwargs(kwargs))
+        what, hub_kwargs = f"The draft checkpoint {pretrained_model_name_or_path}", _hub_kwargs(kwargs)
+        config = kwargs.get("config")
+        if not isinstance(config, PreTrainedConfig):
+            config = cls._checkpoint_config(pretrained_model_name_or_path, hub_kwargs, what)
+        files = _checkpoint_files(pretrained_model_name_or_path, hub_kwargs)
+        cls._check_stored_weights(files, config, what)
         want_info = kwargs.pop("output_loading_info", False)
         # Under FSDP's CPU-RAM-efficient loading transformers reads the weights on local rank 0 only and leaves zeros
         # elsewhere for FSDP to broadcast; the draft is replicated, never FSDP-wrapped, so every rank reads it.
@@ -251,15 +256,8 @@ class DraftModel(PreTrainedModel):
             draft, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
-        what = f"The draft checkpoint {pretrained_model_name_or_path}"
         missing = set(info["missing_keys"])
-        missing_weights = sorted(missing - set(VOCAB_MAPS))
-        if missing_weights:
-            raise ValueError(
-                f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
-                f"at random. Load a complete {cls.display_name} checkpoint (`save_pretrained` writes one)."
-            )
-        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, _hub_kwargs(kwargs)), what=what)
+        draft._check_stored_dtypes(files, what=what)
         draft._complete_vocab_maps(missing)
         draft.validate_weights(what=what)
         if target is not None:
@@ -267,12 +265,11 @@ class DraftModel(PreTrainedModel):
         return (draft, info) if want_info else draft
 
     @classmethod
-    def _check_checkpoint_config(cls, name_or_path, hub_kwargs: dict) -> None:
-        """Refuse a checkpoint without ``config.json``, or whose ``config.json`` is of another model type, from that
-        file alone (downloaded first, for a Hub id): transformers would otherwise build a draft from the config
-        class's defaults or from another model's sizes (32 layers of 4096 for EAGLE-3: minutes and ~17 GB) before
-        finding none of its weights."""
-        what = f"The draft checkpoint {os.fspath(name_or_path)!r}"
+    def _checkpoint_config(cls, name_or_path, hub_kwargs: dict, what: str) -> PreTrainedConfig:
+        """The checkpoint's config, from its ``config.json`` (downloaded first, for a Hub id); refused when there is
+        none, or one of another model type or that this family cannot read: transformers would otherwise build a
+        draft from the config class's defaults or from another model's sizes (32 layers of 4096 for EAGLE-3: minutes
+        and ~17 GB) before finding none of its weights."""
         instead = (
             f"Pass a {cls.display_name} draft checkpoint (the folder `save_pretrained` writes: config.json and "
             "safetensors weights), or leave `draft_model_name_or_path` unset to build a draft from the policy."
@@ -285,11 +282,41 @@ class DraftModel(PreTrainedModel):
             config_dict = json.loads(Path(config_file).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"{what} has a config.json that is not JSON ({error}). {instead}") from None
-        model_type, expected = cls._checkpoint_model_type(config_dict), cls.config_class.model_type
-        if model_type != expected:
+        expected = cls.config_class.model_type
+        try:
+            model_type = cls._checkpoint_model_type(config_dict)
+            config = cls.config_class.from_dict(config_dict) if model_type == expected else None
+        except ValueError as error:
+            raise ValueError(f"{what} is no usable {cls.display_name} draft: {error}") from None
+        if config is None:
             raise ValueError(
                 f"{what} is no {cls.display_name} draft: its config.json has model_type={model_type!r}, where "
                 f"{cls.display_name} drafts have {expected!r} (a policy's folder, or another kind of model). {instead}"
+            )
+        return config
+
+    @classmethod
+    def _check_stored_weights(cls, files: list[str], config: PreTrainedConfig, what: str) -> None:
+        """Every weight of the draft ``config`` describes must be stored in ``files`` (the vocabulary maps may be
+        absent: the full vocabulary): a draft is loaded whole, never with weights initialised at random. Compared
+        with a draft built on the meta device (no memory), before the real one is built: a policy's folder can hold
+        a valid config of the family's model type (a Llama policy's, for EAGLE-3), from which a draft of the policy's
+        size would be built and filled before the same refusal. No files: the loader says what it looked for."""
+        if not files:
+            return
+        with torch.device("meta"):
+            expected = set(cls(config).state_dict()) - set(VOCAB_MAPS)
+        stored = set()
+        for file in files:
+            with safe_open(file, framework="pt") as tensors:
+                stored.update(cls._checkpoint_tensor_name(name) for name in tensors.keys())
+        missing = sorted(expected - stored)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(
+                f"{what} has no {shown} ({len(missing)} of the {len(expected)} weights of the draft its config.json "
+                "describes; a policy's checkpoint holds next to none): a draft is loaded whole, never with weights "
+                f"initialised at random. Load a complete {cls.display_name} checkpoint (`save_pretrained` writes one)."
             )
 
     @classmethod
@@ -598,13 +625,15 @@ def _where_config_is_missing(name_or_path, shown: int = 8) -> str:
 
 
 def _checkpoint_files(pretrained_model_name_or_path, kwargs: dict) -> list[str]:
-    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index;
-    ``kwargs``: where they are (`_hub_kwargs`)."""
-    single = cached_file(
-        pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **kwargs
+    """The safetensors files of a checkpoint (fetched, for a Hub id), one or the shards of its index; none when it has
+    neither. ``kwargs``: where they are (`_hub_kwargs`)."""
+    single, index = (
+        cached_file(pretrained_model_name_or_path, name, _raise_exceptions_for_missing_entries=False, **kwargs)
+        for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
     )
     if single is not None:
         return [single]
-    index = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_INDEX_NAME, **kwargs)
+    if index is None:
+        return []
     shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
     return [cached_file(pretrained_model_name_or_path, shard, **kwargs) for shard in shards]
