@@ -16,10 +16,29 @@ from .draft.eagle3_ttt import DEFAULT_STEP_WEIGHT_DECAY
 from .generation import DRAFT_SAMPLING_METHODS
 from .parallel.compatibility import launcher_fsdp_version
 from .parallel.dims import ParallelDims
-from .validation import check_int
+from .validation import FloatRange, check_float_fields, check_int
 
 
 VLLM_MODES = ("colocate", "server")
+# The range of every float option the package adds, and of TRL's that its rollouts and pipelined step read; any other
+# float option must be finite. Checked once, when the config is built (`check_float_fields`). A NaN would pass most
+# hand-written checks (`nan > 0` is false, so `draft_max_grad_norm=nan` turned clipping off) and an infinity breaks a
+# run long after it starts (`ttt_step_weight_decay=inf` made every draft update skip).
+FLOAT_OPTION_RANGES = {
+    "ttt_step_weight_decay": FloatRange(0, low_open=True, hint=" (TTT step d's loss weighs ttt_step_weight_decay**d)"),
+    "dflash_loss_decay_gamma": FloatRange(0, low_open=True, hint=" (block position i weighs exp(-(i - 1) / gamma))"),
+    "draft_learning_rate": FloatRange(0, low_open=True, hint=" (the peak learning rate of the draft's AdamW)"),
+    "draft_weight_decay": FloatRange(0),
+    "draft_max_grad_norm": FloatRange(0, hint=" (0 turns the draft's gradient clipping off)"),
+    "draft_train_fraction": FloatRange(
+        0, 1, low_open=True, hint=" (the fraction of each micro-batch's sequences the draft trains on)"
+    ),
+    "temperature": FloatRange(0, low_open=True, hint=" (rollouts sample at it; TRL divides the logits by it)"),
+    "top_p": FloatRange(0, 1, low_open=True, hint=" (1 turns it off)"),
+    "min_p": FloatRange(0, 1, hint=" (0 or None turns it off)"),
+    "repetition_penalty": FloatRange(0, low_open=True, hint=" (1 turns it off)"),
+    "max_grad_norm": FloatRange(0, hint=" (0 turns gradient clipping off)"),
+}
 # Fields that hold credentials: `repr`/`str`, `to_dict`/`to_json_string` (the arguments logged and written to the
 # Hub) and pickles (`training_args.bin` in every checkpoint) show `<FIELD_NAME>` in their place when they are set.
 _SECRET_FIELDS = ("hub_token", "vllm_server_api_key")
@@ -164,6 +183,8 @@ class SpecCoTrainConfig(GRPOConfig):
         pipeline_tap_transport (`str`, *optional*, defaults to `"channel"`):
             How taps reach the draft's stage: `"channel"` (`TapChannel`) or `"relay"` (taps ride the stage
             outputs; the benchmark's baseline).
+
+        The values of these three are checked whether pipeline parallelism is on or not.
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS
@@ -319,6 +340,7 @@ class SpecCoTrainConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        check_float_fields(self, FLOAT_OPTION_RANGES)  # first: transformers' own checks take an infinity for an int
         self._take_context_parallel_size()
         super().__post_init__()
         if isinstance(self.num_speculative_tokens, str) and self.num_speculative_tokens.strip().isdigit():
@@ -341,25 +363,11 @@ class SpecCoTrainConfig(GRPOConfig):
                     f"`draft_model_name_or_path` loads a draft whose shape is fixed; do not also set "
                     f"{set_fields or ['draft_num_layers']} (they only apply to a draft built from the policy)."
                 )
-        fraction = self.draft_train_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(
-                f"`draft_train_fraction`={fraction!r} is not allowed: it must be a number in (0, 1], the fraction of "
-                "each micro-batch's sequences the draft trains on."
-            )
         if not (self.draft_bf16 is None or isinstance(self.draft_bf16, bool)):
             raise ValueError(
                 f"`draft_bf16`={self.draft_bf16!r} is not allowed: use None (as the policy), True or False."
             )
-        if not self.ttt_step_weight_decay > 0:
-            raise ValueError(f"`ttt_step_weight_decay`={self.ttt_step_weight_decay} is not allowed: it must be > 0.")
-        if self.draft_learning_rate <= 0:
-            raise ValueError(f"`draft_learning_rate`={self.draft_learning_rate} is not allowed: it must be > 0.")
-        if self.draft_max_grad_norm < 0 or self.draft_warmup_steps < 0 or self.draft_weight_decay < 0:
-            raise ValueError(
-                "`draft_max_grad_norm`, `draft_warmup_steps` and `draft_weight_decay` must be >= 0; got "
-                f"{self.draft_max_grad_norm}, {self.draft_warmup_steps}, {self.draft_weight_decay}."
-            )
+        check_int(self.draft_warmup_steps, "draft_warmup_steps", minimum=0)
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(
                 f"`vllm_mode`={self.vllm_mode!r} is not allowed: TRL would take it for 'colocate'. Choose 'colocate' "

@@ -1,6 +1,12 @@
 """Input checks that several layers share, written once so that every caller accepts and rejects the same values
 with the same message. A leaf module: it imports nothing from the package."""
 
+import dataclasses
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 
@@ -29,6 +35,55 @@ def _int_range(minimum: int, below: int | None) -> str:
     if below is not None:
         return f"an int in [{minimum}, {below})"
     return {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class FloatRange:
+    """The finite numbers an option may take: from `low` to `high`, each end included unless `low_open` /
+    `high_open`; `hint` follows the range in the error (what the value means, or its "off" value)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    hint: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            if self.low == -math.inf:
+                return "a finite number"
+            return f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
+        return (
+            f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        )
+
+
+def check_float(value, name: str, allowed: FloatRange = FloatRange()) -> float:
+    """`value` if it is a number (a bool is not) in `allowed`, which holds finite numbers only; else a ValueError
+    naming `name`, the value and the range. NaN and infinities never pass: a NaN compares false with everything, so
+    a check such as `max_norm > 0` would silently take it for "off"."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value not in allowed:
+        raise ValueError(f"`{name}`={value!r} is not allowed: {name} must be {allowed}{allowed.hint}, got {value!r}.")
+    return value
+
+
+def check_float_fields(config, ranges: Mapping[str, FloatRange]) -> None:
+    """Check every float field of the dataclass `config` (`float`, or `float | None` when set) with `check_float`: in
+    its range in `ranges`, finite at least. Once, when the config is built, so that no step pays for it."""
+    for config_field in dataclasses.fields(config):
+        value = getattr(config, config_field.name, None)
+        if is_float_field(config_field) and value is not None:
+            check_float(value, config_field.name, ranges.get(config_field.name, FloatRange()))
+
+
+def is_float_field(config_field: dataclasses.Field) -> bool:
+    """Whether a dataclass field holds a float: typed `float`, or `float | None`."""
+    return config_field.type is float or set(typing.get_args(config_field.type)) == {float, type(None)}
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, length: int, batch_size: int) -> None:

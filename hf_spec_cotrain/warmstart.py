@@ -40,7 +40,20 @@ from .training.draft_cotraining import (
     build_draft_optimizer,
     seeded_generator,
 )
-from .validation import check_int
+from .validation import FloatRange, check_float_fields, check_int
+
+
+# The range of every float option of `DraftTrainingConfig`, checked when it is built (`check_float_fields`).
+TRAINING_FLOAT_RANGES = {
+    "step_weight_decay": FloatRange(0, low_open=True, hint=" (TTT step d's loss weighs step_weight_decay**d)"),
+    "dflash_loss_decay_gamma": FloatRange(0, low_open=True, hint=" (block position i weighs exp(-(i - 1) / gamma))"),
+    "learning_rate": FloatRange(0, low_open=True),
+    "weight_decay": FloatRange(0),
+    "max_grad_norm": FloatRange(0, hint=" (0 turns gradient clipping off)"),
+    "num_epochs": FloatRange(0, low_open=True),
+    "max_time_s": FloatRange(0, low_open=True, hint=", or None for no limit"),
+    "eval_fraction": FloatRange(0, 1, high_open=True, hint=" (the fraction of the dataset held out)"),
+}
 
 
 @dataclass
@@ -124,32 +137,16 @@ class DraftTrainingConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the split, the shuffling and the draft's init."})
 
     def __post_init__(self):
+        check_float_fields(self, TRAINING_FLOAT_RANGES)
         drafter_family(self.drafter)
         for name in ("num_layers", "ttt_steps", "batch_size", "eval_steps", "logging_steps"):
             check_int(getattr(self, name), name)
         if self.max_length < 2:
             raise ValueError(f"`max_length`={self.max_length} is not allowed: a training sequence needs >= 2 tokens.")
-        if not 0 <= self.eval_fraction < 1:
-            raise ValueError(f"`eval_fraction`={self.eval_fraction} is not allowed: it must be in [0, 1).")
-        if self.learning_rate <= 0:
-            raise ValueError(f"`learning_rate`={self.learning_rate} is not allowed: it must be > 0.")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(f"`max_steps`={self.max_steps} is not allowed: use an int >= 1, or -1 to use num_epochs.")
-        if not self.num_epochs > 0:
-            raise ValueError(f"`num_epochs`={self.num_epochs} is not allowed: it must be > 0.")
-        if self.max_time_s is not None and not self.max_time_s > 0:
-            raise ValueError(f"`max_time_s`={self.max_time_s} is not allowed: it must be > 0, or None for no limit.")
-        if not self.step_weight_decay > 0:
-            raise ValueError(f"`step_weight_decay`={self.step_weight_decay} is not allowed: it must be > 0.")
-        non_negative = {
-            "warmup_steps": self.warmup_steps,
-            "max_eval_samples": self.max_eval_samples,
-            "weight_decay": self.weight_decay,
-            "max_grad_norm": self.max_grad_norm,
-        }
-        for name, value in non_negative.items():
-            if value < 0:
-                raise ValueError(f"`{name}`={value} is not allowed: it must be >= 0.")
+        for name in ("warmup_steps", "max_eval_samples"):
+            check_int(getattr(self, name), name, minimum=0)
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(
                 f"`draft_vocab_size`={self.draft_vocab_size} is not allowed: use an int >= 1 (at most the target's "

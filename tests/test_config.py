@@ -7,7 +7,9 @@ tests/parallel/test_packed_rows.py.
 """
 
 import copy
+import dataclasses
 import io
+import math
 import pickle
 import warnings
 
@@ -17,6 +19,8 @@ from tiny_policy import tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from hf_spec_cotrain import SpecCoTrainConfig, SpecCoTrainGRPOTrainer
+from hf_spec_cotrain.config import FLOAT_OPTION_RANGES
+from hf_spec_cotrain.validation import is_float_field
 
 
 def _config(tmp_path, **overrides) -> SpecCoTrainConfig:
@@ -60,6 +64,59 @@ def test_trainer_rejects_a_config_that_is_not_a_spec_cotrain_config(tmp_path):
             reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
             args=GRPOConfig(**tiny_grpo_kwargs(tmp_path)),
         )
+
+
+# --- Float options ------------------------------------------------------------------------------------------------
+
+FLOAT_FIELDS = [field.name for field in dataclasses.fields(SpecCoTrainConfig) if is_float_field(field)]
+TRL_FIELDS = {field.name for field in dataclasses.fields(GRPOConfig)}
+
+
+def test_every_float_option_the_package_adds_has_a_range():
+    """A float option added later without its range in `FLOAT_OPTION_RANGES` fails here (it would be checked for
+    finiteness only)."""
+    own = [name for name in FLOAT_FIELDS if name not in TRL_FIELDS]
+    assert "draft_learning_rate" in own and "draft_max_grad_norm" in own
+    assert [name for name in own if name not in FLOAT_OPTION_RANGES] == []
+    assert set(FLOAT_OPTION_RANGES) <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_every_float_option_refuses_nan_and_infinities_naming_itself(tmp_path, name):
+    """`draft_max_grad_norm=nan` turned the draft's clipping off (`nan > 0` is false), `ttt_step_weight_decay=inf`
+    skipped every draft update, `draft_learning_rate=inf` restored the draft every step: every float option, the
+    package's and TRL's, is refused when not finite, naming the field, the value and the range."""
+    for value in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match=rf"`{name}`={value!r} is not allowed: {name} must be .*, got {value!r}"):
+            _config(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("draft_learning_rate", 0.0, "a finite number > 0"),
+        ("draft_learning_rate", -1e-4, "a finite number > 0"),
+        ("draft_weight_decay", -0.1, "a finite number >= 0"),
+        ("draft_max_grad_norm", -1.0, r"a finite number >= 0 \(0 turns the draft's gradient clipping off\)"),
+        ("ttt_step_weight_decay", 0.0, r"a finite number > 0 \(TTT step d's loss"),
+        ("dflash_loss_decay_gamma", -4.0, "a finite number > 0"),
+        ("draft_train_fraction", 0.0, r"a number in \(0, 1\]"),
+        ("draft_train_fraction", 1.5, r"a number in \(0, 1\]"),
+        ("draft_train_fraction", "half", r"a number in \(0, 1\]"),
+        ("temperature", 0.0, "a finite number > 0"),
+        ("top_p", 0.0, r"a number in \(0, 1\]"),
+        ("min_p", 1.5, r"a number in \[0, 1\]"),
+        ("max_grad_norm", -1.0, "a finite number >= 0"),
+    ],
+)
+def test_float_options_outside_their_range_are_refused_with_it(tmp_path, name, value, allowed):
+    _rejected(tmp_path, {name: value}, rf"`{name}`={value!r} is not allowed: {name} must be {allowed}")
+
+
+def test_float_options_take_the_ends_of_their_ranges(tmp_path):
+    ends = {"draft_max_grad_norm": 0.0, "draft_weight_decay": 0, "draft_train_fraction": 1.0, "top_p": 1.0}
+    config = _config(tmp_path, **ends, min_p=0.0, max_grad_norm=0.0, draft_learning_rate=1)
+    assert (config.draft_max_grad_norm, config.draft_learning_rate, config.min_p) == (0.0, 1, 0.0)
 
 
 # --- Training-time test ------------------------------------------------------------------------------------------
@@ -196,8 +253,25 @@ def test_config_accepts_pipeline_options():
         draft_bf16=True,  # the last stage runs the draft's micro-step under bf16 autocast, as one process does
     )
     assert (config.pipeline_parallel_size, config.pipeline_num_microbatches) == (4, 8)
-    # Without pipeline parallelism the pipeline options are not checked (their defaults are unused).
+    # Without pipeline parallelism, options the pipelined step cannot honour are not refused.
     assert SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, loss_type="cispo").pipeline_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"pipeline_schedule": "interleaved"}, r"`pipeline_schedule`='interleaved' is not allowed: choose '1F1B'"),
+        ({"pipeline_schedule": None}, r"`pipeline_schedule`=None is not allowed"),
+        ({"pipeline_tap_transport": "nccl"}, r"`pipeline_tap_transport`='nccl' is not allowed: choose one of"),
+        ({"pipeline_num_microbatches": 2}, r"`pipeline_num_microbatches`=2 is not allowed: .* \(at least 4"),
+        ({"pipeline_num_microbatches": "4"}, r"`pipeline_num_microbatches`='4' is not allowed"),
+    ],
+)
+def test_pipeline_option_values_are_checked_without_pipeline_parallelism_too(options, named):
+    """A bogus pipeline option was accepted while pipeline parallelism was off, and only refused by the run that
+    turned it on. Its value is checked either way (what PP cannot honour is still checked under PP only)."""
+    with pytest.raises(ValueError, match=named):
+        SpecCoTrainConfig(**PP_BASE, per_device_train_batch_size=4, **options)
 
 
 # --- Secrets -----------------------------------------------------------------------------------------------------

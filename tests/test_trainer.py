@@ -319,6 +319,20 @@ def test_a_draft_of_another_family_than_drafter_is_refused_at_build(policy_dir, 
         _trainer(policy_dir, _config(tmp_path, draft_model_name_or_path=str(tmp_path / "other")))
 
 
+def test_a_draft_folder_without_a_drafts_config_is_refused_at_build(policy_dir, tmp_path, monkeypatch):
+    """`draft_model_name_or_path` loads through `DraftModel.from_pretrained`, whose config check refuses a folder
+    without config.json before any draft is built (transformers built a default 32-layer draft: minutes, ~17 GB)."""
+    folder = tmp_path / "weights-only"
+    Eagle3DraftModel.from_target(build_tiny_target("llama", num_layers=8)).save_pretrained(folder)
+    (folder / "config.json").unlink()
+    monkeypatch.setattr(Eagle3DraftModel, "__init__", lambda self, config: pytest.fail("a draft was built"))
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"checkpoint {re.escape(str(folder))} has no config.json: the folder .* holds model.safetensors\.",
+    ):
+        _trainer(policy_dir, _config(tmp_path, draft_model_name_or_path=str(folder)))
+
+
 def test_a_policy_the_hf_native_generator_cannot_verify_is_refused_at_start(tmp_path):
     policy = build_tiny_target("qwen3", num_layers=8)
     # declared as Qwen3.5's, but a family whose linear-attention states the generator does not know

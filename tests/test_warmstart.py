@@ -1,6 +1,8 @@
 """Offline warm start (`train_draft`) and the `hf-spec-cotrain train-draft` command on a tiny 8-layer target."""
 
+import dataclasses
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -21,7 +23,14 @@ from hf_spec_cotrain.draft import (
     select_draft_vocab,
 )
 from hf_spec_cotrain.testing import build_char_tokenizer, build_tiny_target, save_tiny_target
-from hf_spec_cotrain.warmstart import DraftTrainingConfig, evaluate_draft, tokenize_for_draft, train_draft
+from hf_spec_cotrain.validation import is_float_field
+from hf_spec_cotrain.warmstart import (
+    TRAINING_FLOAT_RANGES,
+    DraftTrainingConfig,
+    evaluate_draft,
+    tokenize_for_draft,
+    train_draft,
+)
 
 
 NUM_LAYERS = 8
@@ -201,6 +210,17 @@ def test_draft_vocabulary_follows_token_counts(target, tokenizer):
 def test_bad_config_values_raise_clear_errors(field, value):
     with pytest.raises(ValueError, match=rf"`{field}`={value!r}|`{field}`={value}"):
         DraftTrainingConfig(**{field: value})
+
+
+def test_every_float_option_has_a_range_and_refuses_nan_and_infinities():
+    """As `SpecCoTrainConfig`'s (tests/test_config.py): a NaN `max_grad_norm` turned clipping off, an infinite
+    `step_weight_decay` skipped every update. A float option added without a range fails here."""
+    names = [option.name for option in dataclasses.fields(DraftTrainingConfig) if is_float_field(option)]
+    assert "learning_rate" in names and set(names) == set(TRAINING_FLOAT_RANGES)
+    for name in names:
+        for value in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match=rf"`{name}`={value!r} is not allowed: {name} must be .*, got"):
+                DraftTrainingConfig(**{name: value})
 
 
 def test_bad_inputs_raise_clear_errors(target, tokenizer):

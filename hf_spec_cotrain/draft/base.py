@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 from ..attention.decoding import compact_slots
 from .checks import VOCAB_MAPS, check_draft_tensors, weight_problems
@@ -238,8 +238,9 @@ class DraftModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, target=None, **kwargs):
         """Load a draft checkpoint (safetensors only) of this family.
 
-        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: any other missing tensor is an error, and
-        so is a draft that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
+        ``t2d``/``d2t`` absent means the full vocabulary. Loading is strict: a checkpoint without a ``config.json`` of
+        this family's model type, or without every other tensor, is refused before the draft is built; so is a draft
+        that fails `validate_weights` or whose stored weights are not floating in the config's dtype.
         Pass ``target=`` to validate and bind in one go.
         """
         if kwargs.get("use_safetensors") is False:
@@ -249,6 +250,12 @@ class DraftModel(PreTrainedModel):
         if key_mapping is not None:
             kwargs.setdefault("key_mapping", key_mapping)
         _check_folder_or_repo_id(pretrained_model_name_or_path)
+        what, hub_kwargs = f"The draft checkpoint {pretrained_model_name_or_path}", _hub_kwargs(kwargs)
+        config = kwargs.get("config")
+        if not isinstance(config, PreTrainedConfig):
+            config = cls._checkpoint_config(pretrained_model_name_or_path, hub_kwargs, what)
+        files = _checkpoint_files(pretrained_model_name_or_path, hub_kwargs)
+        cls._check_stored_weights(files, config, what)
         want_info = kwargs.pop("output_loading_info", False)
         # Under FSDP's CPU-RAM-efficient loading transformers reads the weights on local rank 0 only and leaves zeros
         # elsewhere for FSDP to broadcast; the draft is replicated, never FSDP-wrapped, so every rank reads it.
@@ -256,20 +263,73 @@ class DraftModel(PreTrainedModel):
             draft, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
-        what = f"The draft checkpoint {pretrained_model_name_or_path}"
         missing = set(info["missing_keys"])
-        missing_weights = sorted(missing - set(VOCAB_MAPS))
-        if missing_weights:
-            raise ValueError(
-                f"{what} has no {', '.join(missing_weights)}: a draft is loaded whole, never with weights initialised "
-                f"at random. Load a complete {cls.display_name} checkpoint (`save_pretrained` writes one)."
-            )
-        draft._check_stored_dtypes(_checkpoint_files(pretrained_model_name_or_path, kwargs), what=what)
+        draft._check_stored_dtypes(files, what=what)
         draft._complete_vocab_maps(missing)
         draft.validate_weights(what=what)
         if target is not None:
             draft.bind_target(target)
         return (draft, info) if want_info else draft
+
+    @classmethod
+    def _checkpoint_config(cls, name_or_path, hub_kwargs: dict, what: str) -> PreTrainedConfig:
+        """The checkpoint's config, from its ``config.json`` (downloaded first, for a Hub id); refused when there is
+        none, or one of another model type or that this family cannot read: transformers would otherwise build a
+        draft from the config class's defaults or from another model's sizes (32 layers of 4096 for EAGLE-3: minutes
+        and ~17 GB) before finding none of its weights."""
+        instead = (
+            f"Pass a {cls.display_name} draft checkpoint (the folder `save_pretrained` writes: config.json and "
+            "safetensors weights), or leave `draft_model_name_or_path` unset to build a draft from the policy."
+        )
+        config_file = cached_file(name_or_path, CONFIG_NAME, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        if config_file is None:
+            where = _where_config_is_missing(Path(name_or_path, hub_kwargs.get("subfolder") or ""))
+            raise FileNotFoundError(f"{what} has no config.json: {where}. {instead}")
+        try:
+            config_dict = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{what} has a config.json that is not JSON ({error}). {instead}") from None
+        expected = cls.config_class.model_type
+        try:
+            model_type = cls._checkpoint_model_type(config_dict)
+            config = cls.config_class.from_dict(config_dict) if model_type == expected else None
+        except ValueError as error:
+            raise ValueError(f"{what} is no usable {cls.display_name} draft: {error}") from None
+        if config is None:
+            raise ValueError(
+                f"{what} is no {cls.display_name} draft: its config.json has model_type={model_type!r}, where "
+                f"{cls.display_name} drafts have {expected!r} (a policy's folder, or another kind of model). {instead}"
+            )
+        return config
+
+    @classmethod
+    def _check_stored_weights(cls, files: list[str], config: PreTrainedConfig, what: str) -> None:
+        """Every weight of the draft ``config`` describes must be stored in ``files`` (the vocabulary maps may be
+        absent: the full vocabulary): a draft is loaded whole, never with weights initialised at random. Compared
+        with a draft built on the meta device (no memory), before the real one is built: a policy's folder can hold
+        a valid config of the family's model type (a Llama policy's, for EAGLE-3), from which a draft of the policy's
+        size would be built and filled before the same refusal. No files: the loader says what it looked for."""
+        if not files:
+            return
+        with torch.device("meta"):
+            expected = set(cls(config).state_dict()) - set(VOCAB_MAPS)
+        stored = set()
+        for file in files:
+            with safe_open(file, framework="pt") as tensors:
+                stored.update(cls._checkpoint_tensor_name(name) for name in tensors.keys())
+        missing = sorted(expected - stored)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(
+                f"{what} has no {shown} ({len(missing)} of the {len(expected)} weights of the draft its config.json "
+                "describes; a policy's checkpoint holds next to none): a draft is loaded whole, never with weights "
+                f"initialised at random. Load a complete {cls.display_name} checkpoint (`save_pretrained` writes one)."
+            )
+
+    @classmethod
+    def _checkpoint_model_type(cls, config_dict: dict) -> str | None:
+        """The ``model_type`` of the draft a checkpoint's ``config.json`` describes, in this family's layouts."""
+        return config_dict.get("model_type")
 
     @classmethod
     def checkpoint_architectures(cls) -> tuple[str, ...]:
@@ -549,18 +609,38 @@ def _check_folder_or_repo_id(name) -> None:
         ) from None
 
 
-def _checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> list[str]:
-    """The safetensors files of a checkpoint (already fetched by the loader), one or the shards of its index."""
-    kwargs = {
-        key: hub_kwargs[key]
+def _hub_kwargs(loading_kwargs: dict) -> dict:
+    """The options of `from_pretrained` that say where a checkpoint's files are (`cached_file`'s)."""
+    return {
+        key: loading_kwargs[key]
         for key in ("cache_dir", "revision", "token", "subfolder", "local_files_only")
-        if key in hub_kwargs
+        if key in loading_kwargs
     }
-    single = cached_file(
-        pretrained_model_name_or_path, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False, **kwargs
+
+
+def _where_config_is_missing(name_or_path, shown: int = 8) -> str:
+    """Where a checkpoint has no config.json, for an error: a local folder's first `shown` entries and its subfolders
+    that hold one (a training checkpoint keeps its draft in ``draft/``); a Hub repository by name."""
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return "the Hub repository holds none"
+    names = sorted(entry.name for entry in folder.iterdir())
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    drafts = [str(folder / name) for name in names if (folder / name / CONFIG_NAME).is_file()]
+    inside = f"; {' and '.join(drafts)} {'has' if len(drafts) == 1 else 'have'} one" if drafts else ""
+    return f"the folder {folder.resolve()} holds {listed or 'nothing'}{inside}"
+
+
+def _checkpoint_files(pretrained_model_name_or_path, kwargs: dict) -> list[str]:
+    """The safetensors files of a checkpoint (fetched, for a Hub id), one or the shards of its index; none when it has
+    neither. ``kwargs``: where they are (`_hub_kwargs`)."""
+    single, index = (
+        cached_file(pretrained_model_name_or_path, name, _raise_exceptions_for_missing_entries=False, **kwargs)
+        for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
     )
     if single is not None:
         return [single]
-    index = cached_file(pretrained_model_name_or_path, SAFE_WEIGHTS_INDEX_NAME, **kwargs)
+    if index is None:
+        return []
     shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
     return [cached_file(pretrained_model_name_or_path, shard, **kwargs) for shard in shards]

@@ -5,7 +5,6 @@ sees the context before it through `block_draft_attention`), and block position 
 distribution of the token at ``a + i`` with weight ``exp(-(i - 1) / gamma)``.
 """
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -20,7 +19,7 @@ from ..losses import head_soft_cross_entropy
 from ..parallel.comm import all_gather_stacked, is_context_parallel
 from ..parallel.halo import ZigzagHalo
 from ..parallel.zigzag import zigzag_unshard
-from ..validation import check_int
+from ..validation import FloatRange, check_float, check_int
 from .base import DraftLossOutput, DraftModel, DraftTrainingBatch
 from .eagle3_ttt import left_align_rows
 
@@ -42,12 +41,10 @@ class DFlashTrainingOptions:
 
     def __post_init__(self):
         check_int(self.anchors_per_row, "dflash_anchors_per_row", hint=" (blocks trained per row and step)")
-        gamma = self.loss_decay_gamma
-        if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not math.isfinite(gamma) or gamma <= 0:
-            raise ValueError(
-                f"`dflash_loss_decay_gamma`={gamma!r} is not allowed: it must be a positive number (the weight of "
-                f"block position i is exp(-(i - 1) / gamma); DFlash uses {DEFAULT_LOSS_DECAY_GAMMA} for blocks of 8)."
-            )
+        hint = (
+            f" (block position i weighs exp(-(i - 1) / gamma); DFlash uses {DEFAULT_LOSS_DECAY_GAMMA} for blocks of 8)"
+        )
+        check_float(self.loss_decay_gamma, "dflash_loss_decay_gamma", FloatRange(0, low_open=True, hint=hint))
 
     @classmethod
     def from_args(cls, args: Any) -> "DFlashTrainingOptions":

@@ -19,7 +19,7 @@ from ..attention.masks import document_ids, positions_in_document
 from ..losses import head_soft_cross_entropy
 from ..parallel.comm import is_context_parallel
 from ..parallel.halo import ZigzagHalo
-from ..validation import check_int, contiguous_row_spans
+from ..validation import FloatRange, check_float, check_int, contiguous_row_spans
 from .base import DraftLossOutput, DraftModel
 
 
@@ -92,8 +92,7 @@ def ttt_loss(
             their activations (the MLP's dominate at long L); costs about one more draft forward.
     """
     check_int(ttt_steps, "ttt_steps", hint=" (the draft is unrolled at least once)")
-    if not step_weight_decay > 0:
-        raise ValueError(f"`step_weight_decay`={step_weight_decay!r} is not allowed: it must be > 0.")
+    check_float(step_weight_decay, "step_weight_decay", FloatRange(0, low_open=True))
     if (input_embeds is None) == (input_ids is None):
         raise ValueError("Pass exactly one of `input_embeds` and `input_ids`.")
     if not isinstance(aux_hidden_states, torch.Tensor):

@@ -39,7 +39,9 @@ from .speculators_format import (
     CHECKPOINT_FORMATS,
     SPECULATORS_ARCHITECTURE,
     SPECULATORS_KEY_MAPPING,
+    eagle3_config_from_speculators,
     eagle3_tensor_name,
+    is_speculators_config,
     speculators_config_from_eagle3,
     speculators_state_dict,
 )
@@ -231,6 +233,12 @@ class Eagle3DraftModel(DraftModel):
     @classmethod
     def checkpoint_architectures(cls) -> tuple[str, ...]:
         return (cls.checkpoint_architecture, SPECULATORS_ARCHITECTURE)  # and a speculators checkpoint
+
+    @classmethod
+    def _checkpoint_model_type(cls, config_dict: dict) -> str | None:
+        if is_speculators_config(config_dict):  # no top-level model_type: its decoder layer's (refused unless Llama)
+            return eagle3_config_from_speculators(config_dict).get("model_type")
+        return super()._checkpoint_model_type(config_dict)
 
     @classmethod
     def _checkpoint_key_mapping(cls) -> dict[str, str]:

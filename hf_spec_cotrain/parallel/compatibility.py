@@ -26,7 +26,9 @@ def check_parallel_options(
     tools: bool,
 ) -> None:
     """Refuse the options of a `SpecCoTrainConfig` (read by attribute) that the run's parallel step cannot honour,
-    given the facts only the trainer knows (without them: what the config itself says)."""
+    given the facts only the trainer knows (without them: what the config itself says), and pipeline options whose
+    values no pipeline takes, whether pipeline parallelism is on or not."""
+    _check_pipeline_values(config)
     if context_parallel:
         _check_context_parallel_options(config, deepspeed=deepspeed, fsdp_version=fsdp_version)
     if config.shard_draft:
@@ -173,9 +175,9 @@ def _check_context_parallel_options(config, *, deepspeed: bool, fsdp_version: in
     )
 
 
-def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, peft: bool, tools: bool) -> None:
-    """Options that the pipelined training step cannot honour."""
-    size = config.pipeline_parallel_size
+def _check_pipeline_values(config) -> None:
+    """The pipeline options' own values, checked whether pipeline parallelism is on or not: a typo in one is refused
+    when it is written, not in a later run that turns the pipeline on."""
     schedule = config.pipeline_schedule
     if not isinstance(schedule, str) or schedule.lower() not in PIPELINE_SCHEDULES:
         raise ValueError(f"`pipeline_schedule`={schedule!r} is not allowed: choose '1F1B' or 'GPipe'.")
@@ -184,12 +186,19 @@ def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, pef
             f"`pipeline_tap_transport`={config.pipeline_tap_transport!r} is not allowed: choose one of "
             f"{TAP_TRANSPORTS}."
         )
-    microbatches = check_int(
+    check_int(
         config.pipeline_num_microbatches,
         "pipeline_num_microbatches",
-        minimum=min_microbatches(schedule, size),
+        minimum=min_microbatches(schedule, config.pipeline_parallel_size),
         hint=f" (at least {MIN_MICROBATCHES}, and at least `pipeline_parallel_size` under 1F1B)",
     )
+
+
+def _check_pipeline_parallel_options(config, *, deepspeed: bool, fsdp: bool, peft: bool, tools: bool) -> None:
+    """Options that the pipelined training step cannot honour (`_check_pipeline_values` checked the pipeline
+    options' own values)."""
+    size = config.pipeline_parallel_size
+    microbatches = config.pipeline_num_microbatches
     rows = config.per_device_train_batch_size * size
     if rows % microbatches:
         raise ValueError(

@@ -7,10 +7,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from hf_spec_cotrain import Eagle3DraftConfig, Eagle3DraftModel, default_aux_layer_ids
-from hf_spec_cotrain.draft import count_tokens, select_draft_vocab, vocab_maps
+from hf_spec_cotrain.draft import (
+    DRAFTER_FAMILIES,
+    DFlashDraftModel,
+    count_tokens,
+    load_draft,
+    select_draft_vocab,
+    vocab_maps,
+)
 from hf_spec_cotrain.testing import SUPPORTED_FAMILIES, build_tiny_target
 
 
@@ -192,6 +199,61 @@ def test_a_path_that_is_neither_a_folder_nor_a_hub_id_is_named_as_such(tmp_path)
         Eagle3DraftModel.from_pretrained(tmp_path / "model.safetensors")
 
 
+def _escaped(path) -> str:
+    return re.escape(str(path))
+
+
+def _saved_draft(drafter, folder):
+    target = _target()
+    family = DRAFTER_FAMILIES[drafter]
+    draft = family.from_target(target, **({"mask_token_id": 0} if family is DFlashDraftModel else {}))
+    draft.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTER_FAMILIES))
+def test_a_folder_without_a_drafts_config_is_refused_before_a_draft_is_built(tmp_path, drafter, monkeypatch):
+    """Without config.json transformers built the config class's default draft (EAGLE-3: 32 layers of 4096, minutes
+    and ~17 GB), and from another model's config.json a draft of that model's sizes, before finding none of its
+    weights (the draft is built on the meta device, but every weight it lacks is then materialised and initialised).
+    Every family refuses them before transformers' loader runs, naming the folder and what it lacks."""
+    family = DRAFTER_FAMILIES[drafter]
+    weights_only = _saved_draft(drafter, tmp_path / "weights-only")
+    (weights_only / "config.json").unlink()
+    checkpoint = tmp_path / "checkpoint-3"  # a training checkpoint: the draft is in its draft/ folder
+    _saved_draft(drafter, checkpoint / "draft")
+    (tmp_path / "empty").mkdir()
+    policy = tmp_path / "policy"
+    _target("qwen3" if family.config_class.model_type == "llama" else "llama").config.save_pretrained(policy)
+    (tmp_path / "no-type").mkdir()
+    (tmp_path / "no-type" / "config.json").write_text(json.dumps({"hidden_size": 4096}))
+    same_type = tmp_path / "policy-of-the-drafts-type"  # a valid draft config (EAGLE-3), or one without its fields
+    build_tiny_target(family.config_class.model_type, num_layers=8).save_pretrained(same_type)
+    loaded = []  # transformers' loader builds the draft and fills every weight the checkpoint lacks
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(lambda cls, *args, **kwargs: loaded.append(1)))
+    expected, display = family.config_class.model_type, family.display_name
+    policy_of_the_same_type = {
+        "eagle3": r"has no fc.weight, .* \(\d+ of the \d+ weights of the draft its config.json describes",
+        "dflash": r"is no usable DFlash draft: `dflash_config.mask_token_id`=None is not allowed",
+    }
+    for folder, error, message in (
+        (
+            tmp_path / "empty",
+            FileNotFoundError,
+            rf"has no config.json: the folder {_escaped(tmp_path / 'empty')} holds nothing",
+        ),
+        (weights_only, FileNotFoundError, r"has no config.json: the folder .* holds model.safetensors\. Pass a"),
+        (checkpoint, FileNotFoundError, rf"holds draft; {_escaped(checkpoint / 'draft')} has one\."),
+        (policy, ValueError, rf"is no {display} draft: its config.json has model_type='[a-z0-9]+', where"),
+        (tmp_path / "no-type", ValueError, rf"model_type=None, where {display} drafts have '{expected}'"),
+        (same_type, ValueError, policy_of_the_same_type[drafter]),
+    ):
+        for load in (family.from_pretrained, lambda name: load_draft(name, drafter)):
+            with pytest.raises(error, match=rf"The draft checkpoint {_escaped(folder)}\b(.|\n)*{message}"):
+                load(folder)
+    assert loaded == []
+
+
 def test_bad_construction_arguments():
     target = _target()
     with pytest.raises(ValueError, match=r"Tap id 8 .* out of range"):
@@ -296,7 +358,7 @@ def _corrupt(tensors, name):
     [
         ("d2t", r"`d2t` maps 1 draft ids outside the target vocabulary \[0, 100\) \(e.g. to 1000029\)"),
         ("nan", r"`fc.weight` holds 1 non-finite values"),
-        ("missing", r"has no fc.weight: a draft is loaded whole"),
+        ("missing", r"has no fc.weight \(1 of the \d+ weights .*\): a draft is loaded whole"),
         ("int32", r"not a floating-point dtype"),
         ("int32_fc", r"`fc.weight` has dtype torch.int32, not a floating-point dtype"),
         ("float16_fc", r"`fc.weight` has dtype torch.float16, but the declared dtype is torch.float32"),
