@@ -132,8 +132,8 @@ def test_the_task_option_sets_the_tool_tasks_defaults_and_refuses_what_cannot_ru
 
 def _history(generation: float, tools: bool) -> list[dict]:
     entry = {"step": 1, "reward": 0.5, "time/step": 1.0, "time/generation": generation, "time/policy_training": 0.4}
-    entry.update({"rollout/tokens_per_second": 100.0, "spec/tokens_per_second": 150.0})
-    if tools:
+    entry.update({"rollout/tokens_per_second": 100.0, "spec/tokens_per_second": 150.0, "time/tool_calls": 0.0})
+    if tools:  # every run logs the tool loop's time, 0 without tools
         entry.update({"time/tool_calls": 0.1, "tools/turns_per_rollout": 2.0, "tools/call_frequency": 1.0})
     return [entry]
 

@@ -136,8 +136,9 @@ def summarize(
 
 
 def time_parts(runs: dict[str, tuple[list[dict], float]]) -> tuple[str, ...]:
-    """The parts of a step to report: `TIME_PARTS`, and the tools' own time where a run logged it."""
-    tools = any(_logged(history, f"time/{TOOL_TIME_PART}") for history, _ in runs.values())
+    """The parts of a step to report: `TIME_PARTS`, and the tool loop's own time where a run's rollouts called tools
+    (every run logs it, 0 without tools)."""
+    tools = any(entry.get(f"time/{TOOL_TIME_PART}", 0.0) > 0 for history, _ in runs.values() for entry in history)
     return (*TIME_PARTS, TOOL_TIME_PART) if tools else TIME_PARTS
 
 
