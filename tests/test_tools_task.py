@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from main_job_args import tiny_job_args
 from trl.chat_template_utils import parse_response
 
 from hf_spec_cotrain.scripts import grpo, report, tools_task
@@ -162,34 +163,7 @@ def test_the_report_adds_the_tools_lines_only_where_tools_ran(tmp_path, capsys, 
 def test_the_main_job_runs_the_tool_task_multi_turn_in_both_runs(tmp_path, capsys):
     """A tiny `--task tools` run: both runs (EAGLE-3 co-trained, plain TRL) roll out with the tool, log the tools'
     metrics, and the probes read the answer turn."""
-    result = grpo.main(
-        [
-            "--task",
-            "tools",
-            "--drafter",
-            "eagle3",
-            "--output_dir",
-            str(tmp_path / "run"),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            "--sft_steps",
-            "4",
-            "--warm_start_steps",
-            "3",
-            "--warm_start_samples",
-            "32",
-            "--max_steps",
-            "2",
-            "--max_completion_length",
-            "32",
-            "--probe_prompts",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--num_generations",
-            "4",
-        ]
-    )
+    result = grpo.main(["--task", "tools", "--drafter", "eagle3", *tiny_job_args(tmp_path, max_completion_length=32)])
     rows, summary = result["rows"], result["summary"]
     console = capsys.readouterr().out
     assert "[grpo] eagle3 probe at step 2" in console and "tool calls per rollout" in console

@@ -72,12 +72,11 @@ class BatchCounters:
     predicted_sum: float = 0.0
     measured_rows: float = 0.0
     measured_sum: float = 0.0
-    accepted_per_position: list[float] = field(default_factory=list)
+    accepted_per_position: list[float] = field(default_factory=list)  # one per draft position up to the largest K
 
-    def as_list(self, k: int) -> list[float]:
-        """The counters as one vector of a fixed length (every process sends as many values)."""
-        per_position = [*self.accepted_per_position[:k], *[0.0] * (k - len(self.accepted_per_position[:k]))]
-        return [float(getattr(self, name)) for name in self.scalars()] + per_position
+    def as_list(self) -> list[float]:
+        """The counters as one vector (of the same length on every process: the positions are the largest K's)."""
+        return [float(getattr(self, name)) for name in self.scalars()] + self.accepted_per_position
 
     @classmethod
     def from_list(cls, values: list[float]) -> "BatchCounters":
@@ -235,7 +234,7 @@ class SpeculativeRollouts:
         if self._batch is not None:
             yield
             return
-        self._batch = BatchCounters()
+        self._batch = BatchCounters(accepted_per_position=[0.0] * self.args.max_draft_tokens)
         try:
             yield
             batch = self._batch
@@ -306,11 +305,8 @@ class SpeculativeRollouts:
         batch.seconds += elapsed
         batch.row_rounds += row_rounds
         batch.plain_row_rounds += plain_row_rounds
-        per_position = [float(a) for a in counters.accepted_per_position][: self.args.max_draft_tokens]
-        grown = max(len(per_position) - len(batch.accepted_per_position), 0)
-        batch.accepted_per_position += [0.0] * grown
-        for position, accepted_at in enumerate(per_position):
-            batch.accepted_per_position[position] += accepted_at
+        for position, accepted_at in enumerate(list(counters.accepted_per_position)[: self.args.max_draft_tokens]):
+            batch.accepted_per_position[position] += float(accepted_at)
         # (row rounds, live rows, K) of each round: an engine's or a plain call is one round of its batch and K,
         # weighted by the row rounds it ran
         if isinstance(counters, SpeculativeOutput):
@@ -329,8 +325,7 @@ class SpeculativeRollouts:
         """The batch's ``spec/*`` metrics, its counters summed over the processes that generated, and its entry in
         the acceptance history (training batches; NaN for a batch that drafted nothing). A batch that drafted
         nothing logs no acceptance (TRL's `log` then averages the batches that did)."""
-        k = self.args.max_draft_tokens
-        local = torch.tensor(batch.as_list(k), device=self.accelerator.device, dtype=torch.float64)
+        local = torch.tensor(batch.as_list(), device=self.accelerator.device, dtype=torch.float64)
         # Under pipeline parallelism only the driver counted: the sum over the world is its counters, on every rank.
         total = BatchCounters.from_list(gather(local.unsqueeze(0)).sum(0).tolist())
         metrics = self.metrics["train" if training else "eval"]
